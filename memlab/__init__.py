@@ -1,0 +1,46 @@
+"""memlab: see where PyTorch memory goes, cell by cell.
+
+``import memlab`` imports torch and nothing heavy besides; IPython, matplotlib and the rest are
+imported by the pieces that use them. ``%load_ext memlab`` adds the ``%%gpumem`` magics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memlab.core.categories import Category
+from memlab.core.devices import DeviceError
+from memlab.region import track
+from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Breakdown",
+    "Category",
+    "DeviceError",
+    "MemlabWarning",
+    "MemoryReport",
+    "Reports",
+    "Timeline",
+    "load_ipython_extension",
+    "track",
+    "unload_ipython_extension",
+]
+
+
+class MemlabWarning(UserWarning):
+    """Warnings memlab itself raises."""
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext memlab``: register the magics. Does not initialise CUDA."""
+    from memlab.magic import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from memlab.magic import unload
+
+    unload(ipython)

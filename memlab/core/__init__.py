@@ -1,0 +1,1 @@
+"""The measurement core: memory sources and tensor accounting (torch only)."""

@@ -1,0 +1,254 @@
+"""Exact tensor accounting on any device: a dispatch mode that sees every storage an op returns.
+
+``Accountant`` installs, for one region, a ``TorchDispatchMode`` that registers each storage in
+the ledger (inputs first, so views and in-place results of older tensors are not mistaken for new
+memory), and, when a breakdown is asked for, the hooks that learn each storage's role. Everything
+is removed in ``uninstall()``, which the region calls in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memlab.core.categories import Category
+from memlab.core.ledger import Ledger, storage_of
+from memlab.core.recorder import Phase
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, accountant: Accountant) -> None:
+        super().__init__()
+        self.accountant = accountant
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        acc = self.accountant
+        flat_in, _ = tree_flatten((args, kwargs))
+        acc.see_inputs(flat_in)
+        out = func(*args, **(kwargs or {}))
+        acc.see_outputs(out)
+        return out
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+_warmed = False
+
+
+def _warm_up() -> None:
+    """The first op under any dispatch mode makes torch import torch._dynamo (~2 s, once per
+    process). Pay that here, outside every measured region, instead of inside the first one."""
+    global _warmed
+    if not _warmed:
+        with _PassThrough():
+            torch.empty(0)
+        _warmed = True
+
+
+class Accountant:
+    """Owns one region's dispatch mode and role hooks over a ledger."""
+
+    def __init__(self, ledger: Ledger, breakdown: bool) -> None:
+        self.ledger = ledger
+        self.breakdown = breakdown
+        self.errors: list[str] = []
+        self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._stack = contextlib.ExitStack()
+        self._module_depth = 0
+        self._optimizer_depth = 0
+        self._sweep_queued = False
+        #: Serials of the storages the region's ops read.
+        self.used: set[int] = set()
+
+    # -- install / uninstall ------------------------------------------------------------------
+    def install(self) -> None:
+        """Enter the mode and hooks; on any failure, undo what was done and re-raise."""
+        _warm_up()
+        try:
+            if self.breakdown:
+                self._install_role_hooks()
+            self._stack.enter_context(_Mode(self))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def uninstall(self) -> None:
+        self._stack.close()
+
+    def _install_role_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        hooks = (
+            nn_module.register_module_forward_pre_hook(self._module_pre),
+            nn_module.register_module_forward_hook(self._module_post, always_call=True),
+            optim_module.register_optimizer_step_pre_hook(self._optimizer_pre),
+            optim_module.register_optimizer_step_post_hook(self._optimizer_post),
+        )
+        for handle in hooks:
+            self._stack.callback(handle.remove)
+        try:
+            self._stack.enter_context(saved_tensors_hooks(self._pack, _unpack))
+        except RuntimeError as e:  # saved-tensor hooks disabled by the program (e.g. FSDP)
+            self.errors.append(f"activations not tagged: {e}")
+
+    # -- the dispatch path --------------------------------------------------------------------
+    def see_inputs(self, flat: list[Any]) -> None:
+        try:
+            for a in flat:
+                if isinstance(a, torch.Tensor):
+                    st = storage_of(a)
+                    if st is None:
+                        continue
+                    entry = self.ledger.existing(st)
+                    if self.breakdown:
+                        self.used.add(entry.serial)
+                        if a.requires_grad and a.is_leaf:
+                            self._remember_leaf(a, st)
+        except Exception as e:  # never break the user's op for our bookkeeping
+            self._error(e)
+
+    def see_outputs(self, out: Any) -> None:
+        try:
+            flat = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            for t in flat if isinstance(flat, list) else (flat,):
+                if isinstance(t, torch.Tensor):
+                    st = storage_of(t)
+                    if st is not None:
+                        self.ledger.produced(st)
+            if self.breakdown and not self._sweep_queued and self.phase() == Phase.BACKWARD:
+                self._sweep_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        except Exception as e:
+            self._error(e)
+
+    def _error(self, e: Exception) -> None:
+        if len(self.errors) < 5:
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def phase(self) -> int:
+        if torch._C._current_autograd_node() is not None:
+            return Phase.BACKWARD
+        if self._optimizer_depth:
+            return Phase.OPTIMIZER
+        if self._module_depth:
+            return Phase.FORWARD
+        return Phase.OTHER
+
+    # -- roles ---------------------------------------------------------------------------------
+    def _remember_leaf(self, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+        self._leaves[t] = True
+        if isinstance(t, torch.nn.Parameter):
+            self.ledger.classify(st, Category.PARAMETER)
+
+    def mark(self, t: torch.Tensor, category: Category) -> None:
+        st = storage_of(t)
+        if st is not None:
+            self.ledger.classify(st, category)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Returning ``t`` itself would tie a saved output to its own grad_fn in a cycle that
+        # even gc cannot free; a detached alias saves the same storage without it, and its
+        # death tells us when autograd lets the storage go.
+        packed = t.detach()
+        try:
+            st = storage_of(t)
+            if st is not None:
+                self.ledger.saved_by(st, packed)
+        except Exception as e:
+            self._error(e)
+        return packed
+
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._module_depth += 1
+        self.watch_module(module, recurse=False)
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._module_depth = max(0, self._module_depth - 1)
+
+    def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        self.watch_optimizer(opt)
+
+    def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        self.watch_optimizer(opt)
+
+    def _after_backward(self) -> None:
+        self._sweep_queued = False
+        self.sweep_gradients()
+
+    def sweep_gradients(self) -> None:
+        for leaf in list(self._leaves.keys()):
+            grad = leaf.grad
+            if grad is not None:
+                self.mark(grad, Category.GRADIENT)
+
+    # -- watching objects ----------------------------------------------------------------------
+    def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
+        for p in module.parameters(recurse=recurse):
+            st = storage_of(p)
+            if st is not None:
+                self._remember_leaf(p, st)
+                if p.grad is not None:
+                    self.mark(p.grad, Category.GRADIENT)
+        for b in module.buffers(recurse=recurse):
+            self.mark(b, Category.BUFFER)
+
+    def watch_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self._optimizers.add(opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = storage_of(p)
+                if st is not None:
+                    self._remember_leaf(p, st)
+                    self.ledger.classify(st, Category.PARAMETER)
+                    if p.grad is not None:
+                        self.mark(p.grad, Category.GRADIENT)
+        for state in opt.state.values():
+            for value in state.values() if isinstance(state, dict) else ():
+                if isinstance(value, torch.Tensor):
+                    self.mark(value, Category.OPTIMIZER_STATE)
+
+    def watch(self, objects: Iterable[Any]) -> None:
+        """Learn the roles of the storages behind modules, optimizers and tensors."""
+        for obj in objects:
+            if isinstance(obj, torch.nn.Module):
+                self.watch_module(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self.watch_optimizer(obj)
+            elif isinstance(obj, torch.Tensor):
+                st = storage_of(obj)
+                if st is None:
+                    continue
+                self.ledger.existing(st)
+                if obj.requires_grad and obj.is_leaf:
+                    self._remember_leaf(obj, st)
+                    if obj.grad is not None:
+                        self.mark(obj.grad, Category.GRADIENT)
+
+    def finish(self) -> None:
+        """Last look at roles before the report: gradients and optimizer states now alive."""
+        self.sweep_gradients()
+        for opt in list(self._optimizers):
+            self.watch_optimizer(opt)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

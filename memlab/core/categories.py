@@ -1,0 +1,59 @@
+"""Memory categories: what a block of tensor memory is for."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Category(str, Enum):
+    """The role of a tensor storage during a measured region.
+
+    Categories are ordered by priority: when one storage plays several roles (a Linear layer
+    saves ``weight.t()``, which shares the parameter's storage), the role listed first wins.
+    """
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    OPTIMIZER_STATE = "optimizer_state"
+    GRADIENT = "gradient"
+    INPUT = "input"
+    ACTIVATION = "activation"
+    TEMPORARY = "temporary"
+    OTHER = "other"
+    UNATTRIBUTED = "unattributed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Highest priority first. ``TEMPORARY``, ``OTHER`` and ``UNATTRIBUTED`` are never assigned by a
+#: hook: they are derived when a report is built (see ``memlab.core.recorder``).
+PRIORITY: dict[Category, int] = {c: i for i, c in enumerate(Category)}
+
+#: Roles a storage keeps from one region to the next. Being saved for backward (activation) or
+#: being a region's input is a role within one region only.
+STICKY = frozenset(
+    {Category.PARAMETER, Category.BUFFER, Category.OPTIMIZER_STATE, Category.GRADIENT}
+)
+
+DESCRIPTIONS: dict[Category, str] = {
+    Category.PARAMETER: "nn.Parameter storages, and tensors an optimizer updates",
+    Category.BUFFER: "module buffers (e.g. BatchNorm running statistics)",
+    Category.OPTIMIZER_STATE: "tensors in optimizer.state (momentum, Adam moments, step)",
+    Category.GRADIENT: "the .grad of parameters and other leaf tensors",
+    Category.INPUT: "tensors passed to track(inputs=...)",
+    Category.ACTIVATION: "tensors saved for backward by autograd",
+    Category.TEMPORARY: "created in the region and freed before it ended",
+    Category.OTHER: "alive, with none of the roles above (results kept by the cell, other tensors)",
+    Category.UNATTRIBUTED: "allocator bytes no tensor accounts for (rounding, cuBLAS workspace, "
+    "tensors created outside the region that it never touched)",
+}
+
+
+def stronger(a: Category | None, b: Category | None) -> Category | None:
+    """The higher-priority of two categories (``None`` means unknown)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if PRIORITY[a] <= PRIORITY[b] else b

@@ -1,0 +1,72 @@
+"""Which devices a region measures, validated once, with errors that say what to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class DeviceError(ValueError):
+    """A device that cannot be measured on this machine."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One device to measure: CUDA devices through the allocator, others through accounting."""
+
+    name: str
+    index: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.index is not None
+
+    @property
+    def source(self) -> str:
+        return "cuda-allocator" if self.is_cuda else "tensor-accounting"
+
+
+def _cuda_count() -> int:
+    # is_available() and device_count() do not create a CUDA context.
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(spec: str | torch.device | None) -> list[Target]:
+    """``None``/``"auto"``: the current CUDA device if there is one, else the CPU.
+    ``"all"``: every CUDA device. Any other torch device string names one device."""
+    if spec is None or spec == "auto":
+        if _cuda_count():
+            return [Target(f"cuda:{torch.cuda.current_device()}", torch.cuda.current_device())]
+        return [Target("cpu")]
+    if spec == "all":
+        n = _cuda_count()
+        if not n:
+            raise DeviceError(
+                "'all' means every CUDA device, and this machine has none "
+                "(torch.cuda.is_available() is False). Use 'cpu' for tensor accounting, "
+                "or leave the device out."
+            )
+        return [Target(f"cuda:{i}", i) for i in range(n)]
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(
+            f"{spec!r} is not a device. Use 'cpu', 'cuda', 'cuda:N', 'meta', or 'all'."
+        ) from e
+    if dev.type != "cuda":
+        return [Target(str(dev))]
+    n = _cuda_count()
+    if not n:
+        raise DeviceError(
+            f"{spec!r}: no CUDA device is available here (torch.cuda.is_available() is False). "
+            "Use 'cpu' to measure with tensor accounting, or leave the device out."
+        )
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= n:
+        names = ", ".join(f"cuda:{i}" for i in range(n))
+        raise DeviceError(
+            f"{spec!r} does not exist: this machine has {n} CUDA device(s) ({names}). "
+            "Use one of those, 'all', or 'cpu'."
+        )
+    return [Target(f"cuda:{index}", index)]

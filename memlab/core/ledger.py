@@ -1,0 +1,243 @@
+"""The ledger: every live tensor storage memlab has seen, followed to its free by a weak reference.
+
+A storage is identified by its Python object, which PyTorch keeps alive exactly as long as the
+storage itself (views share it), so a weak reference's callback fires when the memory is freed.
+Entries hold weak references only: the ledger never keeps a tensor alive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from memlab.core.categories import STICKY, Category, stronger
+
+if TYPE_CHECKING:
+    from memlab.core.recorder import Recorder
+
+
+class _Listener(Protocol):
+    device: str
+
+    def on_alloc(self, serial: int, delta: int) -> None: ...
+    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None: ...
+    def on_discovered(self, serial: int, nbytes: int) -> None: ...
+    def on_mark(self, serial: int, category: Category) -> None: ...
+    def on_saved(self, serial: int, saved: bool) -> None: ...
+
+
+class Entry:
+    __slots__ = ("alive", "category", "device", "nbytes", "ref", "saved", "serial")
+
+    def __init__(self, serial: int, ref: _StorageRef, nbytes: int, device: str) -> None:
+        self.serial = serial
+        self.ref = ref
+        self.nbytes = nbytes
+        self.category: Category | None = None
+        self.device = device
+        #: How many autograd nodes hold this storage saved for backward right now.
+        self.saved = 0
+        self.alive = True
+
+
+def device_key(device: torch.device) -> str:
+    """``cuda`` becomes ``cuda:<current>``; other devices keep their string form."""
+    index: int | None = device.index  # None for a bare "cuda" (torch's stubs say int)
+    if device.type == "cuda" and index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage, or ``None`` for tensors without one (sparse, some subclasses)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Ledger:
+    """Live storages by identity, with per-device byte totals.
+
+    Thread-safe: autograd runs CUDA backward on its own threads, and weak-reference callbacks run
+    wherever the last reference dies.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Entry] = {}
+        self._totals: dict[str, int] = {}
+        self._listeners: list[_Listener] = []
+        self._serials = itertools.count()
+        self._lock = threading.RLock()
+        self._self_ref = weakref.ref(self)
+        self._packs: dict[int, _PackRef] = {}
+
+    # -- queries ----------------------------------------------------------------------------
+    def total(self, device: str) -> int:
+        return self._totals.get(device, 0)
+
+    def next_serial(self) -> int:
+        """Serials below this value belong to storages the ledger already knows."""
+        with self._lock:
+            serial = next(self._serials)
+            return serial
+
+    def entries(self, device: str) -> list[Entry]:
+        with self._lock:
+            return [e for e in self._entries.values() if e.device == device]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- listeners --------------------------------------------------------------------------
+    def attach(self, listener: Recorder) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def detach(self, listener: Recorder) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    # -- observations -----------------------------------------------------------------------
+    def _add(self, storage: torch.UntypedStorage, nbytes: int) -> Entry:
+        device = device_key(storage.device)
+        key = id(storage)
+        ref = _StorageRef(storage, _on_free)
+        ref.key = key
+        ref.ledger = self._self_ref
+        entry = Entry(next(self._serials), ref, nbytes, device)
+        self._entries[key] = entry
+        self._totals[device] = self._totals.get(device, 0) + nbytes
+        return entry
+
+    def existing(self, storage: torch.UntypedStorage) -> Entry:
+        """A storage that was alive before now; registered as pre-existing if new to us."""
+        key = id(storage)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._add(storage, storage.nbytes())
+                for listener in self._listeners:
+                    if listener.device == entry.device:
+                        listener.on_discovered(entry.serial, entry.nbytes)
+            return entry
+
+    def produced(self, storage: torch.UntypedStorage) -> Entry:
+        """A storage an operation returned: new memory, or a known one that may have grown."""
+        key = id(storage)
+        nbytes = storage.nbytes()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._add(storage, nbytes)
+                delta = nbytes
+            else:
+                delta = nbytes - entry.nbytes
+                if delta == 0:
+                    return entry
+                entry.nbytes = nbytes
+                self._totals[entry.device] += delta
+            for listener in self._listeners:
+                if listener.device == entry.device:
+                    listener.on_alloc(entry.serial, delta)
+            return entry
+
+    def classify(self, storage: torch.UntypedStorage, category: Category) -> None:
+        entry = self.existing(storage)
+        with self._lock:
+            if category in STICKY:
+                entry.category = stronger(entry.category, category)
+            for listener in self._listeners:
+                if listener.device == entry.device:
+                    listener.on_mark(entry.serial, category)
+
+    def saved_by(self, storage: torch.UntypedStorage, packed: torch.Tensor) -> None:
+        """Autograd saved ``storage`` for backward as ``packed``; it stays saved until ``packed``
+        dies (when backward frees the graph, or the graph is dropped)."""
+        entry = self.existing(storage)
+        ref = _PackRef(packed, _on_unpacked)
+        ref.entry = entry
+        ref.ledger = self._self_ref
+        with self._lock:
+            self._packs[id(ref)] = ref
+            entry.saved += 1
+            if entry.saved == 1:
+                self._notify_saved(entry, True)
+
+    def _unsaved(self, ref: _PackRef) -> None:
+        with self._lock:
+            if self._packs.pop(id(ref), None) is None:
+                return
+            entry = ref.entry
+            entry.saved -= 1
+            if entry.saved == 0 and entry.alive:
+                self._notify_saved(entry, False)
+
+    def _notify_saved(self, entry: Entry, saved: bool) -> None:
+        for listener in self._listeners:
+            if listener.device == entry.device:
+                listener.on_saved(entry.serial, saved)
+
+    def _freed(self, key: int, ref: _StorageRef) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.ref is not ref:
+                return
+            del self._entries[key]
+            entry.alive = False
+            self._totals[entry.device] -= entry.nbytes
+            for listener in self._listeners:
+                if listener.device == entry.device:
+                    listener.on_free(entry.serial, entry.nbytes, entry.category)
+
+    def clear(self) -> None:
+        """Forget everything (the weak references go, so no callback fires later)."""
+        with self._lock:
+            self._entries.clear()
+            self._totals.clear()
+            self._packs.clear()
+
+
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a storage that knows its ledger key (and the ledger, weakly)."""
+
+    __slots__ = ("key", "ledger")
+    key: int
+    ledger: weakref.ref[Ledger]
+
+
+class _PackRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to the alias autograd holds for a saved tensor."""
+
+    __slots__ = ("entry", "ledger")
+    entry: Entry
+    ledger: weakref.ref[Ledger]
+
+
+def _on_unpacked(ref: _PackRef) -> None:
+    ledger = ref.ledger()
+    if ledger is not None:
+        ledger._unsaved(ref)
+
+
+def _on_free(ref: _StorageRef) -> None:
+    ledger = ref.ledger()
+    if ledger is not None:
+        ledger._freed(ref.key, ref)
+
+
+_DEFAULT: Ledger | None = None
+
+
+def default_ledger() -> Ledger:
+    """The process's ledger, shared by every region, so that "allocated" on a CPU means the same
+    thing from one region to the next: the live storages memlab has seen."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Ledger()
+    return _DEFAULT

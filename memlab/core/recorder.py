@@ -1,0 +1,205 @@
+"""The recorder: one region's allocations and frees on one device, and what they add up to.
+
+The recorder keeps a running total and peak. When a breakdown or a timeline is asked for it also
+keeps the event stream (compact arrays, ~26 bytes an event) and replays it at the end, once every
+storage's role is known: a gradient buffer is born as a backward temporary and only later becomes
+``param.grad``, so categories at the peak can only be exact after the fact.
+
+Roles: a storage's lasting role (parameter, buffer, optimizer state, gradient, input) holds for
+the whole region. Otherwise it is an activation while autograd holds it saved for backward, and
+outside those times: a temporary if the region created and freed it, an input if it predates the
+region and the region read it, else "other".
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from memlab.core.categories import Category, stronger
+from memlab.core.ledger import Ledger
+
+
+class Phase:
+    """Codes for what the program was doing when an event happened."""
+
+    OTHER, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+    NAMES = ("other", "forward", "backward", "optimizer")
+
+
+_BYTES, _SAVED, _UNSAVED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a recorder's events add up to."""
+
+    before: int
+    after: int
+    peak: int
+    peak_seconds: float
+    at_peak: dict[Category, int] | None
+    at_end: dict[Category, int] | None
+    times: array[float] | None
+    totals: array[int] | None
+    phases: array[int] | None
+
+
+class Recorder:
+    """Listens to a ledger for one device between ``start()`` and ``stop()``."""
+
+    def __init__(
+        self, ledger: Ledger, device: str, keep_events: bool, phase: Callable[[], int]
+    ) -> None:
+        self.ledger = ledger
+        self.device = device
+        self.keep_events = keep_events
+        self._phase = phase
+        self.before = self.current = self.peak = 0
+        self.peak_time = 0.0
+        self._t0 = 0.0
+        self._first_serial = 0
+        self._serials: array[int] = array("q")
+        self._deltas: array[int] = array("q")
+        self._kinds: array[int] = array("b")
+        self._times: array[float] = array("d")
+        self._phases: array[int] = array("b")
+        self._discovered: dict[int, int] = {}
+        self._freed_role: dict[int, Category | None] = {}
+        self._marks: dict[int, Category] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        with self.ledger._lock:
+            self._first_serial = self.ledger.next_serial()
+            self.before = self.current = self.peak = self.ledger.total(self.device)
+            self._t0 = time.perf_counter()
+            self.ledger.attach(self)
+
+    def stop(self) -> None:
+        self.ledger.detach(self)
+
+    def _predates(self, serial: int) -> bool:
+        return serial < self._first_serial or serial in self._discovered
+
+    # -- ledger callbacks (called under the ledger's lock) ------------------------------------
+    def _log(self, serial: int, delta: int, kind: int) -> None:
+        now = time.perf_counter() - self._t0
+        if kind == _BYTES:
+            self.current += delta
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_time = now
+        if self.keep_events:
+            self._serials.append(serial)
+            self._deltas.append(delta)
+            self._kinds.append(kind)
+            self._times.append(now)
+            self._phases.append(self._phase())
+
+    def on_alloc(self, serial: int, delta: int) -> None:
+        self._log(serial, delta, _BYTES)
+
+    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
+        if self.keep_events:
+            self._freed_role[serial] = category
+        self._log(serial, -nbytes, _BYTES)
+
+    def on_discovered(self, serial: int, nbytes: int) -> None:
+        # It existed all along: it raises every point of the region, the start included.
+        self.before += nbytes
+        self.current += nbytes
+        self.peak += nbytes
+        self._discovered[serial] = nbytes
+
+    def on_mark(self, serial: int, category: Category) -> None:
+        if self.keep_events:
+            self._marks[serial] = stronger(self._marks.get(serial), category) or category
+
+    def on_saved(self, serial: int, saved: bool) -> None:
+        if self.keep_events:
+            self._log(serial, 0, _SAVED if saved else _UNSAVED)
+
+    # -- results ----------------------------------------------------------------------------
+    def replay(self, breakdown: bool, used: Collection[int] = ()) -> Replay:
+        """Totals, and (with events kept) categories at the peak and at the end, and the series.
+        ``used``: serials of storages the region read (pre-existing ones among them are inputs).
+        """
+        after = self.ledger.total(self.device)
+        if not self.keep_events:
+            return Replay(
+                self.before, after, self.peak, self.peak_time, None, None, None, None, None
+            )
+        at_peak = at_end = None
+        if breakdown:
+            at_peak, at_end = self._categories(used)
+        totals: array[int] = array("q")
+        times: array[float] = array("d")
+        phases: array[int] = array("b")
+        running = self.before
+        for i, kind in enumerate(self._kinds):
+            if kind == _BYTES:
+                running += self._deltas[i]
+                totals.append(running)
+                times.append(self._times[i])
+                phases.append(self._phases[i])
+        return Replay(
+            self.before, after, self.peak, self.peak_time, at_peak, at_end, times, totals, phases
+        )
+
+    def _categories(self, used: Collection[int]) -> tuple[dict[Category, int], dict[Category, int]]:
+        lasting: dict[int, Category | None] = {}
+        size: dict[int, int] = {}
+        saved: dict[int, bool] = {}
+        for entry in self.ledger.entries(self.device):
+            lasting[entry.serial] = stronger(entry.category, self._marks.get(entry.serial))
+            size[entry.serial] = entry.nbytes
+            saved[entry.serial] = entry.saved > 0
+        for serial, freed_role in self._freed_role.items():
+            lasting[serial] = stronger(freed_role, self._marks.get(serial))
+            size[serial] = 0
+            saved[serial] = False
+        # Walk back from the end to each storage's size and saved state at the start.
+        for i in range(len(self._kinds) - 1, -1, -1):
+            serial, kind = self._serials[i], self._kinds[i]
+            if kind == _BYTES:
+                size[serial] -= self._deltas[i]
+            else:
+                saved[serial] = kind == _UNSAVED
+
+        def fallback(serial: int) -> Category:
+            if self._predates(serial):
+                return Category.INPUT if serial in used else Category.OTHER
+            return Category.TEMPORARY if serial in self._freed_role else Category.OTHER
+
+        def role(serial: int) -> Category:
+            fixed = lasting[serial]
+            if fixed is not None:
+                return fixed
+            return Category.ACTIVATION if saved[serial] else fallback(serial)
+
+        sums: dict[Category, int] = dict.fromkeys(Category, 0)
+        for serial, nbytes in size.items():
+            if nbytes:
+                sums[role(serial)] += nbytes
+        best, best_total = dict(sums), sum(sums.values())
+        total = best_total
+        for i, kind in enumerate(self._kinds):
+            serial = self._serials[i]
+            if kind == _BYTES:
+                delta = self._deltas[i]
+                sums[role(serial)] += delta
+                size[serial] += delta
+                total += delta
+                if total > best_total:
+                    best_total, best = total, dict(sums)
+            else:
+                was = role(serial)
+                saved[serial] = kind == _SAVED
+                now = role(serial)
+                if now is not was:
+                    sums[was] -= size[serial]
+                    sums[now] += size[serial]
+        return {c: best[c] for c in Category if best[c]}, {c: sums[c] for c in Category if sums[c]}

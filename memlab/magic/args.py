@@ -1,0 +1,159 @@
+"""The one argument parser of ``%%gpumem`` / ``%gpumem``, also the source of their help text."""
+
+from __future__ import annotations
+
+import argparse
+import keyword
+import re
+from dataclasses import dataclass
+
+from IPython.core.error import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"%{self.prog}: {message}. See %{self.prog}? for the options.")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise UsageError(message or f"%{self.prog}: see %{self.prog}? for the options.")
+
+
+def _parser() -> _Parser:
+    p = _Parser(
+        prog="gpumem",
+        add_help=False,
+        usage="%%%%gpumem [options] [label ...]   or   %%gpumem [options] STATEMENT",
+        description="Measure what a cell (or one statement) does to GPU memory: allocated "
+        "before and after, the exact peak inside, reserved (cache). Without a GPU the same "
+        "report comes from exact tensor accounting on the CPU.",
+    )
+    p.add_argument(
+        "-d",
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="cuda, cuda:N, all (every CUDA device), cpu or meta. Default: the "
+        "current CUDA device, else the CPU.",
+    )
+    p.add_argument(
+        "-b",
+        "--breakdown",
+        action="store_true",
+        help="attribute bytes to parameters, gradients, optimizer state, activations, "
+        "inputs and temporaries (tensor accounting; slows the cell a little).",
+    )
+    p.add_argument(
+        "-t", "--timeline", action="store_true", help="record memory over time and plot it."
+    )
+    p.add_argument(
+        "--no-reset",
+        dest="reset",
+        action="store_false",
+        help="leave the allocator's peak counters alone; the peak shown is then the "
+        "highest since the last reset, which may predate the cell.",
+    )
+    p.add_argument(
+        "--driver",
+        action="store_true",
+        help="also show the driver's view (mem_get_info, NVML), which explains why "
+        "nvidia-smi shows more than memlab.",
+    )
+    p.add_argument(
+        "-o",
+        "--out",
+        default=None,
+        metavar="NAME",
+        help="store the report object in the variable NAME.",
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="show nothing (the report still goes to %%gpumem_history and -o).",
+    )
+    p.add_argument("-l", "--label", default=None, help="a label for the report and the history.")
+    p.add_argument("words", nargs="*", help=argparse.SUPPRESS)
+    return p
+
+
+PARSER = _parser()
+HELP = PARSER.format_help()
+
+#: Options that take a value, for splitting ``%gpumem [options] STATEMENT``.
+_VALUED = {"-d", "--device", "-o", "--out", "-l", "--label"}
+_FLAGS = {"-b", "--breakdown", "-t", "--timeline", "--no-reset", "--driver", "-q", "--quiet"}
+_TOKEN = re.compile(r"""\s*("[^"]*"|'[^']*'|\S+)""")
+
+
+@dataclass(frozen=True)
+class Options:
+    device: str | None
+    breakdown: bool
+    timeline: bool
+    reset: bool
+    driver: bool
+    out: str | None
+    quiet: bool
+    label: str | None
+
+
+def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
+    if ns.label is not None and label_words:
+        raise UsageError(
+            "%gpumem: give the label either as words after the options or with -l, not both."
+        )
+    label = ns.label if ns.label is not None else (" ".join(label_words) or None)
+    if ns.quiet and ns.timeline:
+        raise UsageError(
+            "%gpumem: -q shows nothing and --timeline draws a plot: drop one "
+            "(with -q -o NAME you can plot later with NAME.plot())."
+        )
+    if ns.out is not None and (not ns.out.isidentifier() or keyword.iskeyword(ns.out)):
+        raise UsageError(f"%gpumem: -o needs a Python variable name, not {ns.out!r}.")
+    return Options(
+        ns.device, ns.breakdown, ns.timeline, ns.reset, ns.driver, ns.out, ns.quiet, label
+    )
+
+
+def parse_cell_line(line: str) -> Options:
+    """The ``%%gpumem`` line: options, then free words that make the label."""
+    tokens = [_unquote(t) for t in _TOKEN.findall(line)]
+    ns = PARSER.parse_args(tokens)
+    return _finish(ns, ns.words)
+
+
+def parse_statement_line(line: str) -> tuple[Options, str]:
+    """``%gpumem [options] STATEMENT``: the statement is kept verbatim, never re-tokenised."""
+    pos, tokens = 0, []
+    expecting_value = False
+    for m in _TOKEN.finditer(line):
+        tok = m.group(1)
+        if expecting_value:
+            tokens.append(_unquote(tok))
+            expecting_value = False
+        elif tok in _FLAGS:
+            tokens.append(tok)
+        elif tok in _VALUED:
+            tokens.append(tok)
+            expecting_value = True
+        elif tok.startswith("-") and tok.split("=")[0] in _VALUED:
+            tokens.append(tok)
+        else:
+            break
+        pos = m.end()
+    statement = line[pos:].strip()
+    if expecting_value:
+        raise UsageError(f"%gpumem: option {tokens[-1]} needs a value.")
+    ns = PARSER.parse_args(tokens)
+    if not statement:
+        raise UsageError(
+            "%gpumem needs a statement to measure, e.g. `%gpumem y = model(x)`; "
+            "use %%gpumem at the top of a cell to measure the whole cell."
+        )
+    return _finish(ns, []), statement
+
+
+def _unquote(tok: str) -> str:
+    if len(tok) >= 2 and tok[0] == tok[-1] and tok[0] in "\"'":
+        return tok[1:-1]
+    return tok

@@ -1,0 +1,118 @@
+"""Every tracked cell of this kernel: a small record each, a table and a plot."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from html import escape
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from memlab.reports.report import MemoryReport
+from memlab.reports.units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: The history keeps the most recent this-many cells (a few hundred bytes each).
+MAX_ENTRIES = 10_000
+
+
+class Entry(NamedTuple):
+    cell: int
+    label: str
+    device: str
+    source: str
+    before: int
+    after: int
+    peak: int
+    seconds: float
+    raised: str | None
+
+    @property
+    def name(self) -> str:
+        return self.label or f"[{self.cell}]"
+
+
+@dataclass
+class History:
+    entries: deque[Entry]
+
+    def __init__(self) -> None:
+        self.entries = deque(maxlen=MAX_ENTRIES)
+
+    def add(self, cell: int, report: MemoryReport) -> None:
+        self.entries.append(
+            Entry(
+                cell,
+                report.label or "",
+                report.device,
+                report.source,
+                report.allocated_before,
+                report.allocated_after,
+                report.peak_allocated,
+                report.seconds,
+                report.raised,
+            )
+        )
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        return [e._asdict() for e in self.entries]
+
+    def plot(self) -> Figure:
+        from memlab.reports.plot import plot_history
+
+        if not self.entries:
+            raise ValueError("The history is empty: run a cell with %%gpumem first.")
+        es = list(self.entries)
+        return plot_history([e.name for e in es], [e.after for e in es], [e.peak for e in es])
+
+    def __str__(self) -> str:
+        if not self.entries:
+            return "memlab history: no tracked cells yet."
+        head = f"{'cell':>6}  {'device':<8}{'after':>11}{'change':>12}{'peak':>11}{'time':>10}"
+        lines = ["memlab history", head]
+        for e in self.entries:
+            lines.append(
+                f"{e.name:>6}  {e.device:<8}{fmt_bytes(e.after):>11}"
+                f"{fmt_bytes(e.after - e.before, signed=True):>12}{fmt_bytes(e.peak):>11}"
+                f"{fmt_seconds(e.seconds):>10}" + (f"  raised {e.raised}" if e.raised else "")
+            )
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        if not self.entries:
+            return "<div>memlab history: no tracked cells yet.</div>"
+        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+        rows = []
+        for e in self.entries:
+            delta = e.after - e.before
+            colour = "#b03a2e" if delta > 0 else "#1e8449" if delta < 0 else "#7f8c8d"
+            rows.append(
+                f'<tr><td style="{cell}">{escape(e.name)}</td><td style="{cell}">'
+                f"{escape(e.device)}</td>"
+                f'<td style="{cell}" title="{e.after:,} B">{fmt_bytes(e.after)}</td>'
+                f'<td style="{cell};color:{colour};font-weight:600" title="{delta:,} B">'
+                f"{fmt_bytes(delta, signed=True)}</td>"
+                f'<td style="{cell}" title="{e.peak:,} B">{fmt_bytes(e.peak)}</td>'
+                f'<td style="{cell}">{fmt_seconds(e.seconds)}</td>'
+                f'<td style="{cell}">{escape(e.raised or "")}</td></tr>'
+            )
+        head = "".join(
+            f'<th style="{cell}">{h}</th>'
+            for h in ("cell", "device", "allocated after", "change", "peak", "time", "raised")
+        )
+        return (
+            '<div class="memlab-history" style="font-family:system-ui,sans-serif;font-size:12px">'
+            f'<b>memlab history</b><table style="border-collapse:collapse"><tr>{head}</tr>'
+            + "".join(rows)
+            + "</table></div>"
+        )

@@ -1,0 +1,228 @@
+"""The magics: parse, run under ``memlab.track``, display. No measurement logic here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.display import Image, display
+
+from memlab.core.devices import DeviceError
+from memlab.core.ledger import default_ledger
+from memlab.magic import runner
+from memlab.magic.args import HELP, Options, parse_cell_line, parse_statement_line
+from memlab.magic.history import History
+from memlab.region import track
+from memlab.reports.report import MemoryReport, Reports
+from memlab.reports.units import fmt_bytes, fmt_seconds
+
+_WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def watchable(ns: dict[str, Any]) -> list[Any]:
+    """The notebook's tensors, modules and optimizers (one level into lists, tuples, dicts)."""
+    found: list[Any] = []
+    for name, value in list(ns.items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(value, _WATCHED):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and len(value) <= 10_000:
+            found.extend(v for v in value if isinstance(v, _WATCHED))
+        elif isinstance(value, dict) and len(value) <= 10_000:
+            found.extend(v for v in value.values() if isinstance(v, _WATCHED))
+    return found
+
+
+def one_line(r: MemoryReport, cell: int | None = None) -> str:
+    where = f"[{cell}] " if cell is not None else ""
+    return (
+        f"memlab {where}{r.device}: allocated {fmt_bytes(r.allocated_before)} → "
+        f"{fmt_bytes(r.allocated_after)} ({fmt_bytes(r.allocated_delta, signed=True)}), "
+        f"peak {fmt_bytes(r.peak_delta, signed=True)} over before, {fmt_seconds(r.seconds)}"
+    )
+
+
+@magics_class
+class GpumemMagics(Magics):
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.sh: Any = shell  # never None once registered
+        self.history = History()
+        self._auto: Options | None = None
+        self._auto_region: track | None = None
+
+    # -- %%gpumem / %gpumem ---------------------------------------------------------------------
+    @line_cell_magic
+    def gpumem(self, line: str, cell: str | None = None) -> Any:
+        __tracebackhide__ = True
+        if cell is None:
+            opts, source = parse_statement_line(line)
+            first_line = 1
+        else:
+            opts, source = parse_cell_line(line), cell
+            first_line = 2  # line 1 of the visible cell is the %%gpumem line
+        region = self._region(opts)
+        body, expr, quiet = runner.compile_cell(self.sh, source, first_line)
+        try:
+            with region:
+                value = runner.execute(self.sh, body, expr)
+        except BaseException:
+            self._publish(region, opts)
+            raise
+        if cell is None:  # the line form returns its value, like %time
+            self._publish(region, opts)
+            return value if runner.has_value(value) else None
+        if runner.has_value(value) and not quiet:
+            self.sh.displayhook(value)  # Out[n] first, then the report under it
+        self._publish(region, opts)
+        return None
+
+    def _region(self, opts: Options, ns_watch: bool = True) -> track:
+        try:
+            region = track(
+                opts.device,
+                breakdown=opts.breakdown,
+                timeline=opts.timeline,
+                reset_peak=opts.reset,
+                driver=opts.driver,
+                label=opts.label,
+                ledger=default_ledger(),
+            )
+        except DeviceError as e:
+            raise UsageError(f"%gpumem -d: {e}") from None
+        if ns_watch and (opts.breakdown or any(not t.is_cuda for t in region.targets)):
+            region._watch = watchable(self.sh.user_ns)
+        return region
+
+    def _publish(self, region: track, opts: Options) -> None:
+        try:
+            reports = region.reports
+        except RuntimeError as e:
+            print(f"memlab: no report for this cell ({e.__cause__ or e}).")
+            return
+        for r in reports:
+            self.history.add(self.sh.execution_count, r)
+        result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
+        if opts.out:
+            self.sh.user_ns[opts.out] = result
+        if opts.quiet:
+            return
+        display(result)
+        if opts.timeline:
+            for r in reports:
+                if r.timeline is not None and len(r.timeline):
+                    display(_png(r.plot()))
+
+    # -- %gpumem_history ------------------------------------------------------------------------
+    @line_magic
+    def gpumem_history(self, line: str) -> None:
+        """Show every tracked cell of this kernel: a table and a plot.
+
+        %gpumem_history            table and plot
+        %gpumem_history --no-plot  table only
+        %gpumem_history --clear    forget the history
+        %gpumem_history -o NAME    also store the history object in NAME
+        """
+        args = line.split()
+        out = None
+        if "-o" in args:
+            i = args.index("-o")
+            if i + 1 >= len(args) or not args[i + 1].isidentifier():
+                raise UsageError("%gpumem_history -o needs a variable name.")
+            out = args.pop(i + 1)
+            args.remove("-o")
+        unknown = set(args) - {"--clear", "--no-plot"}
+        if unknown:
+            raise UsageError(
+                f"%gpumem_history: unknown option {sorted(unknown)[0]!r}; "
+                "use --clear, --no-plot or -o NAME."
+            )
+        if "--clear" in args:
+            n = len(self.history)
+            self.history.clear()
+            print(f"memlab: history cleared ({n} entries).")
+            return
+        if out:
+            self.sh.user_ns[out] = self.history
+        display(self.history)
+        if "--no-plot" not in args and len(self.history):
+            display(_png(self.history.plot()))
+
+    # -- %gpumem_auto ---------------------------------------------------------------------------
+    @line_magic
+    def gpumem_auto(self, line: str) -> None:
+        """Track every cell with a one-line summary: %gpumem_auto on [-d DEVICE] [-b] | off."""
+        words = line.split(maxsplit=1)
+        if not words:
+            state = "on" if self._auto else "off"
+            print(f"memlab: automatic tracking is {state}. Use %gpumem_auto on|off.")
+            return
+        if words[0] == "off":
+            self.auto_off()
+            return
+        if words[0] != "on":
+            raise UsageError(f"%gpumem_auto: expected on or off, not {words[0]!r}.")
+        opts = parse_cell_line(words[1] if len(words) > 1 else "")
+        if opts.timeline or opts.out or opts.quiet:
+            raise UsageError("%gpumem_auto takes -d, -b, --no-reset and --driver only.")
+        self._region(opts)  # validate the device now, not at the next cell
+        self.auto_off()
+        self._auto = opts
+        self.sh.events.register("pre_run_cell", self._pre_cell)
+        self.sh.events.register("post_run_cell", self._post_cell)
+        print("memlab: tracking every cell (%gpumem_auto off to stop).")
+
+    def auto_off(self) -> None:
+        if self._auto is None:
+            return
+        for name, cb in (("pre_run_cell", self._pre_cell), ("post_run_cell", self._post_cell)):
+            with contextlib.suppress(ValueError):
+                self.sh.events.unregister(name, cb)
+        self._close_auto(None)
+        self._auto = None
+
+    def _pre_cell(self, info: Any) -> None:
+        raw = (getattr(info, "raw_cell", "") or "").lstrip()
+        if self._auto is None or raw.startswith(("%%gpumem", "%gpumem_auto")):
+            return
+        region = self._region(self._auto)
+        region.__enter__()
+        self._auto_region = region
+
+    def _post_cell(self, result: Any) -> None:
+        err = getattr(result, "error_in_exec", None)
+        region = self._close_auto(type(err) if err is not None else None)
+        if region is None:
+            return
+        try:
+            r = region.report
+        except RuntimeError:
+            return
+        self.history.add(self.sh.execution_count, r)
+        text = one_line(r, self.sh.execution_count)
+        display(
+            {
+                "text/plain": text,
+                "text/html": f'<div style="font-size:11px;color:#555">{text}</div>',
+            },
+            raw=True,
+        )
+
+    def _close_auto(self, err: type[BaseException] | None) -> track | None:
+        region, self._auto_region = self._auto_region, None
+        if region is not None:
+            region.__exit__(err, None, None)
+        return region
+
+    gpumem.__doc__ = HELP
+
+
+def _png(fig: Any) -> Image:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96)
+    return Image(data=buf.getvalue(), format="png")

@@ -1,0 +1,81 @@
+"""Run a cell's source the way IPython would, so a cell keeps its meaning under the magic.
+
+The source is transformed by IPython (so magics and ``!commands`` inside it work), compiled once
+under a file name registered with linecache (so tracebacks show the cell's own lines, numbered as
+the user sees them), and executed in the user's namespace. The last expression's value is
+returned; the source is never re-indented or rewritten.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import io
+import tokenize
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+_NO_VALUE = object()
+
+
+def compile_cell(shell: InteractiveShell, source: str, first_line: int) -> tuple[Any, Any, bool]:
+    """Compile ``source`` (whose first line is line ``first_line`` of the visible cell).
+
+    Returns (body code, last-expression code or None, quiet). Raises ``SyntaxError`` as IPython
+    would show it, and ``UsageError`` for top-level ``await``.
+    """
+    transformed = shell.transform_cell(source)
+    padded = "\n" * (first_line - 1) + transformed
+    filename = shell.compile.cache(padded, shell.execution_count, raw_code=source)
+    tree = ast.parse(padded, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+    expr = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+    if _is_async(body) or (expr is not None and _is_async(expr)):
+        raise UsageError(
+            "%gpumem cannot measure a cell with top-level `await`: put the awaited code in an "
+            "async function and measure `asyncio.run(...)` or the non-async part instead."
+        )
+    return body, expr, _ends_with_semicolon(transformed)
+
+
+def _is_async(code: Any) -> bool:
+    return bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """IPython's rule: a trailing ``;`` on the last line hides the cell's value."""
+    skip = {
+        tokenize.NEWLINE,
+        tokenize.NL,
+        tokenize.COMMENT,
+        tokenize.ENDMARKER,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+    }
+    last = None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in skip:
+                last = tok
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return last is not None and last.type == tokenize.OP and last.string == ";"
+
+
+def execute(shell: InteractiveShell, body: Any, expr: Any) -> Any:
+    """Run compiled code in the user's namespace; the last expression's value or ``_NO_VALUE``."""
+    __tracebackhide__ = True
+    exec(body, shell.user_global_ns, shell.user_ns)
+    if expr is None:
+        return _NO_VALUE
+    return eval(expr, shell.user_global_ns, shell.user_ns)
+
+
+def has_value(value: Any) -> bool:
+    return value is not _NO_VALUE

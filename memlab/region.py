@@ -1,0 +1,240 @@
+"""``memlab.track``: measure a region of code, the one entry point every front end uses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from memlab.core.accounting import Accountant
+from memlab.core.categories import Category
+from memlab.core.cuda import CudaRegion, driver_view
+from memlab.core.devices import Target, resolve
+from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.recorder import Phase, Recorder, Replay
+from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
+
+#: A timeline keeps at most about this many points (the extremes of each stretch survive).
+MAX_TIMELINE_POINTS = 4000
+
+
+class track:  # noqa: N801  (used as a context manager, named like one)
+    """Measure the memory a block of code uses.
+
+    >>> with memlab.track(breakdown=True) as t:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> t.report.peak_delta
+
+    device: ``None`` (the current CUDA device, else the CPU), ``"cpu"``, ``"cuda:1"``, ``"meta"``,
+        or ``"all"`` (every CUDA device). CUDA figures come from the caching allocator; other
+        devices from exact tensor accounting.
+    breakdown: also attribute bytes to categories (parameter, gradient, optimizer state,
+        activation, ...) at the peak and at the end.
+    timeline: also record memory over time (``report.plot()``).
+    reset_peak: reset the allocator's peak counter at the start (the default) so the peak is the
+        region's own; ``False`` leaves it alone and the peak is "since the last reset".
+    driver: also read the driver's view (``mem_get_info``, NVML) at the end.
+    watch: modules, optimizers and tensors whose roles to learn even if the region doesn't use
+        them (the magic passes the notebook's variables).
+    inputs: tensors to count as the region's inputs.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        breakdown: bool = False,
+        timeline: bool = False,
+        reset_peak: bool = True,
+        driver: bool = False,
+        label: str | None = None,
+        watch: Iterable[Any] = (),
+        inputs: Iterable[torch.Tensor] = (),
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.targets: list[Target] = resolve(device)
+        self.breakdown = breakdown
+        self.timeline = timeline
+        self.reset_peak = reset_peak
+        self.driver = driver
+        self.label = label
+        self._watch = list(watch)
+        self._inputs = list(inputs)
+        self._ledger = ledger if ledger is not None else default_ledger()
+        self._accountant: Accountant | None = None
+        self._recorders: dict[str, Recorder] = {}
+        self._cuda: dict[str, CudaRegion] = {}
+        self._state = "new"
+        self._reports: Reports | None = None
+        self._build_error: BaseException | None = None
+        self._t0 = 0.0
+        self._seconds = 0.0
+
+    # -- the region -----------------------------------------------------------------------------
+    def __enter__(self) -> track:
+        if self._state != "new":
+            raise RuntimeError("A track() object measures one region; create a new one.")
+        self._state = "open"
+        needs_accounting = (
+            self.breakdown or self.timeline or any(not t.is_cuda for t in self.targets)
+        )
+        try:
+            if needs_accounting:
+                acc = self._accountant = Accountant(self._ledger, self.breakdown)
+                acc.watch(self._watch)
+                for t in self._inputs:
+                    acc.mark(t, Category.INPUT)
+                keep = self.breakdown or self.timeline
+                for target in self.targets:
+                    rec = Recorder(self._ledger, target.name, keep, acc.phase)
+                    self._recorders[target.name] = rec
+            for target in self.targets:
+                if target.index is not None:
+                    self._cuda[target.name] = CudaRegion(target.index, self.reset_peak)
+            for rec in self._recorders.values():
+                rec.start()
+            for cr in self._cuda.values():
+                cr.begin()
+            if self._accountant is not None:
+                self._accountant.install()
+        except BaseException:
+            self._teardown()
+            self._state = "failed"
+            raise
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            for cr in self._cuda.values():
+                cr.finish()
+            self._seconds = time.perf_counter() - self._t0
+        finally:
+            self._teardown()
+            self._state = "closed"
+        try:
+            self._reports = Reports(tuple(self._build(t, et) for t in self.targets))
+        except Exception as e:  # never mask the region's own exception with ours
+            self._build_error = e
+            if et is None:
+                raise
+
+    def _teardown(self) -> None:
+        acc = self._accountant
+        try:
+            if acc is not None:
+                acc.uninstall()
+                if self._state == "open":
+                    acc.watch(self._watch)
+                    acc.finish()
+        finally:
+            for rec in self._recorders.values():
+                rec.stop()
+
+    # -- results --------------------------------------------------------------------------------
+    @property
+    def reports(self) -> Reports:
+        if self._state in ("new", "open"):
+            raise RuntimeError("The region is still open: read .report after the `with` block.")
+        if self._reports is None:
+            raise RuntimeError("memlab could not build this report.") from self._build_error
+        return self._reports
+
+    @property
+    def report(self) -> MemoryReport:
+        """The report of the first (usually the only) device."""
+        return self.reports[0]
+
+    def _build(self, target: Target, raised: type[BaseException] | None) -> MemoryReport:
+        rec = self._recorders.get(target.name)
+        replay = (
+            rec.replay(self.breakdown, self._accountant.used if self._accountant else ())
+            if rec is not None
+            else None
+        )
+        notes = list(self._accountant.errors) if self._accountant else []
+        common: dict[str, Any] = {
+            "device": target.name,
+            "source": target.source,
+            "seconds": self._seconds,
+            "label": self.label,
+            "raised": raised.__name__ if raised is not None else None,
+        }
+        cr = self._cuda.get(target.name)
+        if cr is None:
+            assert replay is not None
+            return MemoryReport(
+                allocated_before=replay.before,
+                allocated_after=replay.after,
+                peak_allocated=replay.peak,
+                breakdown=_breakdown(replay, None, None),
+                timeline=_timeline(replay, 0),
+                notes=tuple(notes),
+                **common,
+            )
+        s, e = cr.start, cr.end
+        if replay is not None and self.timeline:
+            notes.append(
+                "timeline: tensor bytes from accounting, offset to the allocator's figure at the "
+                "start (the allocator's block rounding and workspaces are not in it)"
+            )
+        return MemoryReport(
+            allocated_before=s.allocated,
+            allocated_after=e.allocated,
+            peak_allocated=cr.peak_allocated,
+            reserved_before=s.reserved,
+            reserved_after=e.reserved,
+            peak_reserved=cr.peak_reserved,
+            active_before=s.active,
+            active_after=e.active,
+            alloc_retries=e.alloc_retries - s.alloc_retries,
+            ooms=e.ooms - s.ooms,
+            peak_scope="region" if cr.peak_is_regional else "since-reset",
+            breakdown=_breakdown(replay, cr.peak_allocated, e.allocated) if replay else None,
+            timeline=_timeline(replay, s.allocated - replay.before) if replay else None,
+            driver=driver_view(cr.index) if self.driver and torch.cuda.is_initialized() else None,
+            notes=tuple(notes),
+            **common,
+        )
+
+
+def _breakdown(replay: Replay, peak: int | None, end: int | None) -> Breakdown | None:
+    """Categories from the replay; on CUDA, what the allocator holds beyond them is unattributed."""
+    if replay.at_peak is None or replay.at_end is None:
+        return None
+    at_peak, at_end = dict(replay.at_peak), dict(replay.at_end)
+    if peak is not None and end is not None:
+        at_peak[Category.UNATTRIBUTED] = peak - sum(at_peak.values())
+        at_end[Category.UNATTRIBUTED] = end - sum(at_end.values())
+    return Breakdown(at_peak, at_end)
+
+
+def _timeline(replay: Replay, offset: int) -> Timeline | None:
+    if replay.times is None or replay.totals is None or replay.phases is None:
+        return None
+    n = len(replay.times)
+    keep: list[int]
+    if n <= MAX_TIMELINE_POINTS:
+        keep = list(range(n))
+    else:  # keep the lowest and highest point of each stretch, in order
+        step = n / (MAX_TIMELINE_POINTS // 2)
+        keep = []
+        for b in range(MAX_TIMELINE_POINTS // 2):
+            lo, hi = int(b * step), min(n, int((b + 1) * step))
+            if lo >= hi:
+                continue
+            span = range(lo, hi)
+            i_min = min(span, key=replay.totals.__getitem__)
+            i_max = max(span, key=replay.totals.__getitem__)
+            keep.extend(sorted({i_min, i_max}))
+    return Timeline(
+        seconds=tuple(replay.times[i] for i in keep),
+        allocated=tuple(replay.totals[i] + offset for i in keep),
+        phases=tuple(Phase.NAMES[replay.phases[i]] for i in keep),
+        source="tensor accounting",
+    )

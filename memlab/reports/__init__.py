@@ -1,0 +1,1 @@
+"""Report objects and their renderers."""

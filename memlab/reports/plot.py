@@ -1,0 +1,73 @@
+"""Matplotlib figures. matplotlib is imported here, when a plot is asked for, never before."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memlab.reports.report import MemoryReport
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+_PHASE_COLOURS = {"forward": "#d6eaf8", "backward": "#fdebd0", "optimizer": "#e8daef"}
+_MIB = 1024**2
+
+
+def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
+    if ax is not None:
+        fig = ax.get_figure()
+        assert fig is not None
+        return fig, ax  # type: ignore[return-value]
+    # Imported for its side effect in notebooks: it registers how figures display inline.
+    import matplotlib.pyplot  # noqa: F401
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
+    if r.timeline is None or not len(r.timeline):
+        raise ValueError(
+            "This report has no timeline. Measure with timeline=True "
+            "(%%gpumem --timeline, or memlab.track(timeline=True))."
+        )
+    tl = r.timeline
+    fig, ax = _axes(ax, (7.0, 2.8))
+    xs = [0.0, *tl.seconds, r.seconds]
+    ys = [r.allocated_before, *tl.allocated, tl.allocated[-1]]
+    ax.step(xs, [y / _MIB for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
+    start = 0
+    for i in range(1, len(tl.phases) + 1):
+        if i == len(tl.phases) or tl.phases[i] != tl.phases[start]:
+            colour = _PHASE_COLOURS.get(tl.phases[start])
+            if colour:
+                ax.axvspan(tl.seconds[start], xs[i + 1], color=colour, lw=0)
+            start = i
+    ax.axhline(r.peak_allocated / _MIB, color="#b03a2e", ls="--", lw=0.8, label="peak")
+    ax.axhline(r.allocated_before / _MIB, color="#7f8c8d", ls=":", lw=0.8, label="before")
+    for phase, colour in _PHASE_COLOURS.items():
+        if phase in tl.phases:
+            ax.axvspan(0, 0, color=colour, label=phase)
+    ax.set_xlabel("seconds since the region started")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"{r.device}{' · ' + r.label if r.label else ''} ({tl.source})", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    return fig
+
+
+def plot_history(
+    names: Sequence[str], after: Sequence[int], peak: Sequence[int], ax: Axes | None = None
+) -> Figure:
+    """Allocated after each tracked cell and the peak inside it."""
+    fig, ax = _axes(ax, (7.0, 2.8))
+    xs = list(range(len(names)))
+    ax.plot(xs, [a / _MIB for a in after], marker="o", color="#1f4e79", label="allocated after")
+    ax.plot(xs, [p / _MIB for p in peak], marker="^", ls="--", color="#b03a2e", label="peak inside")
+    ax.set_xticks(xs, names, rotation=45 if len(names) > 12 else 0, fontsize=8)
+    ax.set_xlabel("tracked cell")
+    ax.set_ylabel("MiB")
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    return fig

@@ -1,0 +1,187 @@
+"""Report objects: the numbers of one measured region, immutable, able to render themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from memlab.core.categories import Category
+from memlab.core.cuda import DriverView
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+#: What ``peak_scope`` means.
+PEAK_SCOPES = {
+    "region": "the highest value inside the region",
+    "since-reset": "the highest value since the allocator's peak counter was last reset "
+    "(--no-reset: memlab left it alone), so it may predate the region",
+}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per category at the region's peak and at its end."""
+
+    at_peak: Mapping[Category, int]
+    at_end: Mapping[Category, int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "at_peak", MappingProxyType(dict(self.at_peak)))
+        object.__setattr__(self, "at_end", MappingProxyType(dict(self.at_end)))
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "at_peak": {c.value: int(self.at_peak.get(c, 0)) for c in Category},
+            "at_end": {c.value: int(self.at_end.get(c, 0)) for c in Category},
+        }
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory over the region: seconds since its start, bytes, and the phase of each point."""
+
+    seconds: tuple[float, ...]
+    allocated: tuple[int, ...]
+    phases: tuple[str, ...]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": list(self.seconds),
+            "allocated": list(self.allocated),
+            "phases": list(self.phases),
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one region did to one device's memory.
+
+    ``source`` says where the numbers come from: ``"cuda-allocator"`` (the caching allocator's
+    own counters) or ``"tensor-accounting"`` (bytes of the tensor storages memlab saw; on a CPU,
+    "allocated" means the live storages memlab knows about).
+    """
+
+    device: str
+    source: str
+    allocated_before: int
+    allocated_after: int
+    peak_allocated: int
+    seconds: float
+    label: str | None = None
+    reserved_before: int | None = None
+    reserved_after: int | None = None
+    peak_reserved: int | None = None
+    active_before: int | None = None
+    active_after: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    peak_scope: str = "region"
+    breakdown: Breakdown | None = None
+    timeline: Timeline | None = None
+    driver: DriverView | None = None
+    raised: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def allocated_delta(self) -> int:
+        return self.allocated_after - self.allocated_before
+
+    @property
+    def peak_delta(self) -> int:
+        """Peak minus before: how far the region climbed above where it started."""
+        return self.peak_allocated - self.allocated_before
+
+    @property
+    def is_estimate(self) -> bool:
+        return self.source != "cuda-allocator"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: every memory figure is an int in bytes."""
+        d: dict[str, Any] = {
+            "device": self.device,
+            "source": self.source,
+            "label": self.label,
+            "allocated_before": self.allocated_before,
+            "allocated_after": self.allocated_after,
+            "allocated_delta": self.allocated_delta,
+            "peak_allocated": self.peak_allocated,
+            "peak_delta": self.peak_delta,
+            "peak_scope": self.peak_scope,
+            "reserved_before": self.reserved_before,
+            "reserved_after": self.reserved_after,
+            "peak_reserved": self.peak_reserved,
+            "active_before": self.active_before,
+            "active_after": self.active_after,
+            "alloc_retries": self.alloc_retries,
+            "ooms": self.ooms,
+            "seconds": self.seconds,
+            "raised": self.raised,
+            "notes": list(self.notes),
+        }
+        if self.breakdown is not None:
+            d["categories"] = self.breakdown.to_dict()
+        if self.timeline is not None:
+            d["timeline"] = self.timeline.to_dict()
+        if self.driver is not None:
+            d["driver"] = {
+                "free": self.driver.free,
+                "total": self.driver.total,
+                "process_used": self.driver.process_used,
+            }
+        return d
+
+    def __str__(self) -> str:
+        from memlab.reports.text import render_text
+
+        return render_text(self)
+
+    def _repr_html_(self) -> str:
+        from memlab.reports.html import render_html
+
+        return render_html(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def plot(self, ax: Axes | None = None) -> Figure:
+        """The timeline as a matplotlib figure (needs ``timeline=True`` when measuring)."""
+        from memlab.reports.plot import plot_timeline
+
+        return plot_timeline(self, ax)
+
+
+@dataclass(frozen=True)
+class Reports:
+    """The reports of one region measured on several devices (``device="all"``)."""
+
+    reports: tuple[MemoryReport, ...]
+
+    def __iter__(self) -> Iterator[MemoryReport]:
+        return iter(self.reports)
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+    def __getitem__(self, i: int) -> MemoryReport:
+        return self.reports[i]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reports": [r.to_dict() for r in self.reports]}
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(r) for r in self.reports)
+
+    def _repr_html_(self) -> str:
+        return "".join(r._repr_html_() for r in self.reports)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
