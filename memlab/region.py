@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -38,7 +39,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         region's own; ``False`` leaves it alone and the peak is "since the last reset".
     driver: also read the driver's view (``mem_get_info``, NVML) at the end.
     watch: modules, optimizers and tensors whose roles to learn even if the region doesn't use
-        them (the magic passes the notebook's variables).
+        them, or a function returning them (called at the start and at the end; the magic passes
+        the notebook's variables this way). They are held weakly: the region keeps nothing alive.
     inputs: tensors to count as the region's inputs.
     """
 
@@ -51,7 +53,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         reset_peak: bool = True,
         driver: bool = False,
         label: str | None = None,
-        watch: Iterable[Any] = (),
+        watch: Iterable[Any] | Callable[[], Iterable[Any]] = (),
         inputs: Iterable[torch.Tensor] = (),
         ledger: Ledger | None = None,
     ) -> None:
@@ -61,8 +63,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self.reset_peak = reset_peak
         self.driver = driver
         self.label = label
-        self._watch = list(watch)
-        self._inputs = list(inputs)
+        self._watch = watch if callable(watch) else _weak_list(watch)
+        self._inputs = _weak_list(inputs)
         self._ledger = ledger if ledger is not None else default_ledger()
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder] = {}
@@ -84,8 +86,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         try:
             if needs_accounting:
                 acc = self._accountant = Accountant(self._ledger, self.breakdown)
-                acc.watch(self._watch)
-                for t in self._inputs:
+                acc.watch(self._watched())
+                for t in _alive(self._inputs):
                     acc.mark(t, Category.INPUT)
                 keep = self.breakdown or self.timeline
                 for target in self.targets:
@@ -130,11 +132,14 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if acc is not None:
                 acc.uninstall()
                 if self._state == "open":
-                    acc.watch(self._watch)
+                    acc.watch(self._watched())
                     acc.finish()
         finally:
             for rec in self._recorders.values():
                 rec.stop()
+
+    def _watched(self) -> Iterable[Any]:
+        return self._watch() if callable(self._watch) else _alive(self._watch)
 
     # -- results --------------------------------------------------------------------------------
     @property
@@ -201,6 +206,22 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             notes=tuple(notes),
             **common,
         )
+
+
+def _weak_list(objects: Iterable[Any]) -> list[weakref.ref[Any]]:
+    refs = []
+    for obj in objects:
+        try:
+            refs.append(weakref.ref(obj))
+        except TypeError as e:
+            raise TypeError(
+                f"memlab.track can only watch tensors, modules and optimizers, not {type(obj)!r}."
+            ) from e
+    return refs
+
+
+def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
+    return [o for o in (r() for r in refs) if o is not None]
 
 
 def _breakdown(replay: Replay, peak: int | None, end: int | None) -> Breakdown | None:

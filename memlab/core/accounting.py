@@ -116,11 +116,11 @@ class Accountant:
                     st = storage_of(a)
                     if st is None:
                         continue
-                    entry = self.ledger.existing(st)
+                    entry = self.ledger.existing(a, st)
                     if self.breakdown:
                         self.used.add(entry.serial)
                         if a.requires_grad and a.is_leaf:
-                            self._remember_leaf(a, st)
+                            self._remember_leaf(a)
         except Exception as e:  # never break the user's op for our bookkeeping
             self._error(e)
 
@@ -131,7 +131,7 @@ class Accountant:
                 if isinstance(t, torch.Tensor):
                     st = storage_of(t)
                     if st is not None:
-                        self.ledger.produced(st)
+                        self.ledger.produced(t, st)
             if self.breakdown and not self._sweep_queued and self.phase() == Phase.BACKWARD:
                 self._sweep_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
@@ -152,15 +152,13 @@ class Accountant:
         return Phase.OTHER
 
     # -- roles ---------------------------------------------------------------------------------
-    def _remember_leaf(self, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+    def _remember_leaf(self, t: torch.Tensor) -> None:
         self._leaves[t] = True
         if isinstance(t, torch.nn.Parameter):
-            self.ledger.classify(st, Category.PARAMETER)
+            self.ledger.classify(t, Category.PARAMETER)
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
-        st = storage_of(t)
-        if st is not None:
-            self.ledger.classify(st, category)
+        self.ledger.classify(t, category)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Returning ``t`` itself would tie a saved output to its own grad_fn in a cycle that
@@ -168,9 +166,7 @@ class Accountant:
         # death tells us when autograd lets the storage go.
         packed = t.detach()
         try:
-            st = storage_of(t)
-            if st is not None:
-                self.ledger.saved_by(st, packed)
+            self.ledger.saved_by(t, packed)
         except Exception as e:
             self._error(e)
         return packed
@@ -203,11 +199,9 @@ class Accountant:
     # -- watching objects ----------------------------------------------------------------------
     def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
         for p in module.parameters(recurse=recurse):
-            st = storage_of(p)
-            if st is not None:
-                self._remember_leaf(p, st)
-                if p.grad is not None:
-                    self.mark(p.grad, Category.GRADIENT)
+            self._remember_leaf(p)
+            if p.grad is not None:
+                self.mark(p.grad, Category.GRADIENT)
         for b in module.buffers(recurse=recurse):
             self.mark(b, Category.BUFFER)
 
@@ -215,12 +209,10 @@ class Accountant:
         self._optimizers.add(opt)
         for group in opt.param_groups:
             for p in group["params"]:
-                st = storage_of(p)
-                if st is not None:
-                    self._remember_leaf(p, st)
-                    self.ledger.classify(st, Category.PARAMETER)
-                    if p.grad is not None:
-                        self.mark(p.grad, Category.GRADIENT)
+                self._remember_leaf(p)
+                self.mark(p, Category.PARAMETER)
+                if p.grad is not None:
+                    self.mark(p.grad, Category.GRADIENT)
         for state in opt.state.values():
             for value in state.values() if isinstance(state, dict) else ():
                 if isinstance(value, torch.Tensor):
@@ -237,9 +229,9 @@ class Accountant:
                 st = storage_of(obj)
                 if st is None:
                     continue
-                self.ledger.existing(st)
+                self.ledger.existing(obj, st)
                 if obj.requires_grad and obj.is_leaf:
-                    self._remember_leaf(obj, st)
+                    self._remember_leaf(obj)
                     if obj.grad is not None:
                         self.mark(obj.grad, Category.GRADIENT)
 

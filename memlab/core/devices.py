@@ -32,12 +32,18 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _current() -> int:
+    """The current CUDA device, without initialising CUDA to ask (before initialisation it is
+    always 0: the first visible device)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
 def resolve(spec: str | torch.device | None) -> list[Target]:
     """``None``/``"auto"``: the current CUDA device if there is one, else the CPU.
     ``"all"``: every CUDA device. Any other torch device string names one device."""
     if spec is None or spec == "auto":
         if _cuda_count():
-            return [Target(f"cuda:{torch.cuda.current_device()}", torch.cuda.current_device())]
+            return [Target(f"cuda:{_current()}", _current())]
         return [Target("cpu")]
     if spec == "all":
         n = _cuda_count()
@@ -62,7 +68,7 @@ def resolve(spec: str | torch.device | None) -> list[Target]:
             f"{spec!r}: no CUDA device is available here (torch.cuda.is_available() is False). "
             "Use 'cpu' to measure with tensor accounting, or leave the device out."
         )
-    index = torch.cuda.current_device() if dev.index is None else dev.index
+    index = _current() if dev.index is None else dev.index
     if index >= n:
         names = ", ".join(f"cuda:{i}" for i in range(n))
         raise DeviceError(

@@ -104,8 +104,9 @@ class Ledger:
                 self._listeners.remove(listener)
 
     # -- observations -----------------------------------------------------------------------
-    def _add(self, storage: torch.UntypedStorage, nbytes: int) -> Entry:
-        device = device_key(storage.device)
+    def _add(self, storage: torch.UntypedStorage, nbytes: int, t: torch.Tensor) -> Entry:
+        # The tensor's device, not the storage's: a fake CPU tensor's storage lives on "meta".
+        device = device_key(t.device)
         key = id(storage)
         ref = _StorageRef(storage, _on_free)
         ref.key = key
@@ -115,26 +116,26 @@ class Ledger:
         self._totals[device] = self._totals.get(device, 0) + nbytes
         return entry
 
-    def existing(self, storage: torch.UntypedStorage) -> Entry:
-        """A storage that was alive before now; registered as pre-existing if new to us."""
+    def existing(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
+        """``t``'s storage, alive before now; registered as pre-existing if new to us."""
         key = id(storage)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._add(storage, storage.nbytes())
+                entry = self._add(storage, storage.nbytes(), t)
                 for listener in self._listeners:
                     if listener.device == entry.device:
                         listener.on_discovered(entry.serial, entry.nbytes)
             return entry
 
-    def produced(self, storage: torch.UntypedStorage) -> Entry:
-        """A storage an operation returned: new memory, or a known one that may have grown."""
+    def produced(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
+        """``t``'s storage, returned by an op: new memory, or a known one that may have grown."""
         key = id(storage)
         nbytes = storage.nbytes()
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._add(storage, nbytes)
+                entry = self._add(storage, nbytes, t)
                 delta = nbytes
             else:
                 delta = nbytes - entry.nbytes
@@ -147,8 +148,11 @@ class Ledger:
                     listener.on_alloc(entry.serial, delta)
             return entry
 
-    def classify(self, storage: torch.UntypedStorage, category: Category) -> None:
-        entry = self.existing(storage)
+    def classify(self, t: torch.Tensor, category: Category) -> None:
+        storage = storage_of(t)
+        if storage is None:
+            return
+        entry = self.existing(t, storage)
         with self._lock:
             if category in STICKY:
                 entry.category = stronger(entry.category, category)
@@ -156,10 +160,13 @@ class Ledger:
                 if listener.device == entry.device:
                     listener.on_mark(entry.serial, category)
 
-    def saved_by(self, storage: torch.UntypedStorage, packed: torch.Tensor) -> None:
-        """Autograd saved ``storage`` for backward as ``packed``; it stays saved until ``packed``
-        dies (when backward frees the graph, or the graph is dropped)."""
-        entry = self.existing(storage)
+    def saved_by(self, t: torch.Tensor, packed: torch.Tensor) -> None:
+        """Autograd saved ``t`` for backward as ``packed``; its storage stays saved until
+        ``packed`` dies (when backward frees the graph, or the graph is dropped)."""
+        storage = storage_of(t)
+        if storage is None:
+            return
+        entry = self.existing(t, storage)
         ref = _PackRef(packed, _on_unpacked)
         ref.entry = entry
         ref.ledger = self._self_ref

@@ -169,9 +169,15 @@ class Recorder:
             else:
                 saved[serial] = kind == _UNSAVED
 
+        # Storages that predate the region, that it read and that were not already saved for
+        # backward when it began: the region's inputs, whatever the region did with them.
+        for serial in used:
+            if self._predates(serial) and not saved.get(serial, True) and serial in lasting:
+                lasting[serial] = lasting[serial] or Category.INPUT
+
         def fallback(serial: int) -> Category:
             if self._predates(serial):
-                return Category.INPUT if serial in used else Category.OTHER
+                return Category.OTHER
             return Category.TEMPORARY if serial in self._freed_role else Category.OTHER
 
         def role(serial: int) -> Category:

@@ -96,7 +96,8 @@ class GpumemMagics(Magics):
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
         if ns_watch and (opts.breakdown or any(not t.is_cuda for t in region.targets)):
-            region._watch = watchable(self.sh.user_ns)
+            ns = self.sh.user_ns
+            region._watch = lambda: watchable(ns)
         return region
 
     def _publish(self, region: track, opts: Options) -> None:

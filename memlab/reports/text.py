@@ -30,7 +30,7 @@ def render_text(r: MemoryReport) -> str:
         ]
         lines.append("  " + "  ".join(cells).rstrip())
     if lay.categories:
-        lines.append("  breakdown          at peak       at end")
+        lines.append(f"  {'breakdown':<17}{'at peak':>11}  {'at end':>11}")
         for c in lay.categories:
             lines.append(
                 f"    {c.category.value:<15}{fmt_bytes(c.at_peak):>11}  {fmt_bytes(c.at_end):>11}"

@@ -1,0 +1,159 @@
+"""Shared fixtures: a real in-process IPython shell that records what it displays, golden files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/* from the current output (review the diff before committing)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_ledger(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Each test gets its own process ledger, so tensors an earlier test left alive (pytest keeps
+    failed tests' frames) don't show up in its figures."""
+    from memlab.core import ledger
+
+    fresh = ledger.Ledger()
+    monkeypatch.setattr(ledger, "_DEFAULT", fresh)
+    return fresh
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Any:
+    """``golden(name, text)``: compare with tests/golden/name; --update-golden rewrites it."""
+
+    def check(name: str, text: str) -> None:
+        path = GOLDEN / name
+        if request.config.getoption("--update-golden"):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+            return
+        assert path.exists(), f"{path} is missing: run pytest --update-golden and review it"
+        assert text == path.read_text(), f"{name} differs from its golden file"
+
+    return check
+
+
+def dispatch_modes() -> int:
+    return int(torch._C._len_torch_dispatch_stack())
+
+
+def hooks_installed() -> dict[str, int]:
+    """Every global hook or mode memlab could leave behind, counted."""
+    from torch.nn.modules import module as m
+    from torch.optim import optimizer as o
+
+    return {
+        "dispatch modes": dispatch_modes(),
+        "saved-tensor hooks": int(
+            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        ),
+        "module forward pre-hooks": len(m._global_forward_pre_hooks),
+        "module forward hooks": len(m._global_forward_hooks),
+        "optimizer pre-hooks": len(o._global_optimizer_pre_hooks),
+        "optimizer post-hooks": len(o._global_optimizer_post_hooks),
+    }
+
+
+NOTHING_INSTALLED = {
+    "dispatch modes": 0,
+    "saved-tensor hooks": 0,
+    "module forward pre-hooks": 0,
+    "module forward hooks": 0,
+    "optimizer pre-hooks": 0,
+    "optimizer post-hooks": 0,
+}
+
+
+class Recorded:
+    """What the shell displayed, in order: each item is (kind, mime bundle)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def html(self) -> list[str]:
+        return [d["text/html"] for _, d in self.items if "text/html" in d]
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.items]
+
+    def reports(self) -> list[str]:
+        return [h for h in self.html() if "memlab-report" in h]
+
+
+@pytest.fixture(scope="session")
+def _shell() -> Iterator[tuple[Any, Recorded]]:
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    rec = Recorded()
+
+    class Publisher(DisplayPublisher):
+        def publish(self, data: Any, metadata: Any = None, *args: Any, **kwargs: Any) -> None:
+            rec.items.append(("display", dict(data)))
+
+    class Hook(DisplayHook):
+        def write_output_prompt(self) -> None:
+            pass
+
+        def write_format_data(self, format_dict: Any, md_dict: Any = None) -> None:
+            rec.items.append(("out", dict(format_dict)))
+
+        def finish_displayhook(self) -> None:
+            pass
+
+    shell = InteractiveShell.instance()
+    shell.display_pub = Publisher(shell=shell)
+    hook = Hook(shell=shell, cache_size=1000)
+    shell.displayhook = hook
+    shell.display_trap.hook = hook
+    shell.run_line_magic("load_ext", "memlab")
+    yield shell, rec
+    shell.run_line_magic("unload_ext", "memlab")
+
+
+@pytest.fixture
+def ip(_shell: tuple[Any, Recorded]) -> Iterator[Any]:
+    """A clean shell with memlab loaded; ``ip.rec`` holds what it displayed."""
+    shell, rec = _shell
+    shell.reset(new_session=False)
+    shell._memlab_magics.history.clear()
+    shell._memlab_magics.auto_off()
+    rec.clear()
+    shell.rec = rec
+    shell.run_cell("import torch", store_history=True)
+    rec.clear()
+    yield shell
+    shell._memlab_magics.auto_off()
+    assert hooks_installed() == NOTHING_INSTALLED
+
+
+def run(ip: Any, source: str) -> Any:
+    """Run a cell as a notebook would (stored in history, so Out[n] and _ work)."""
+    return ip.run_cell(source, store_history=True)

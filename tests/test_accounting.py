@@ -1,0 +1,293 @@
+"""Tensor accounting against bytes the tests compute themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import NOTHING_INSTALLED, hooks_installed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memlab
+from memlab import Category
+
+MiB = 1024**2
+
+
+def nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def cpu(**kw: object) -> memlab.track:
+    return memlab.track("cpu", **kw)  # type: ignore[arg-type]
+
+
+def test_new_tensor_counts_its_exact_bytes() -> None:
+    with cpu() as t:
+        x = torch.empty(1000, 1000)
+    r = t.report
+    assert r.allocated_delta == 4_000_000
+    assert r.peak_delta == 4_000_000
+    assert r.source == "tensor-accounting" and r.device == "cpu"
+    del x
+
+
+def test_views_and_in_place_ops_add_nothing() -> None:
+    x = torch.zeros(1000, 1000)
+    with cpu() as t:
+        v = x.view(-1)[10:500]
+        x.add_(1)
+        x.t_()
+        v.mul_(2)
+    assert t.report.allocated_delta == 0
+    assert t.report.peak_delta == 0
+    assert t.report.allocated_before == t.report.allocated_after >= 4_000_000
+
+
+def test_deleted_tensor_returns_its_bytes() -> None:
+    with cpu() as t1:
+        x = torch.empty(1000, 1000)
+    with cpu() as t2:
+        del x
+    assert t1.report.allocated_delta == 4_000_000
+    assert t2.report.allocated_delta == -4_000_000
+    assert t2.report.allocated_after == t2.report.allocated_before - 4_000_000
+
+
+def test_transient_peak_is_seen() -> None:
+    with cpu() as t:
+        big = torch.empty(128 * MiB, dtype=torch.uint8)
+        del big
+        small = torch.empty(32 * MiB, dtype=torch.uint8)
+    r = t.report
+    assert r.peak_delta == 128 * MiB
+    assert r.allocated_delta == 32 * MiB
+    del small
+
+
+def test_tensor_created_before_the_region_and_freed_in_it() -> None:
+    x = torch.empty(250_000)  # never seen by memlab before the region
+    with cpu(watch=[x]) as t:
+        del x
+    assert t.report.allocated_delta == -1_000_000
+
+
+def test_pre_existing_tensor_read_by_the_region_is_counted_once() -> None:
+    a = torch.ones(1000)
+    with cpu() as t:
+        b = a * 2
+        c = a + b
+    assert t.report.allocated_delta == nbytes(b, c)
+    assert t.report.allocated_before >= 4000
+
+
+def test_resize_and_out_arguments_grow_storage() -> None:
+    with cpu() as t:
+        z = torch.empty(0)
+        z.resize_(1000)
+        o = torch.empty(0)
+        torch.add(torch.ones(10), 1, out=o)
+    assert t.report.allocated_after - t.report.allocated_before == 4000 + 40 + 0
+
+
+def make_mlp() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    return model, torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+
+def test_mlp_adam_step_breakdown_matches_numel_times_element_size() -> None:
+    model, x, y = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with cpu(breakdown=True) as t:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    params = list(model.parameters())
+    end = t.report.breakdown.at_end  # type: ignore[union-attr]
+    assert end[Category.PARAMETER] == nbytes(*params)
+    assert end[Category.GRADIENT] == nbytes(*(p.grad for p in params if p.grad is not None))
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert end[Category.OPTIMIZER_STATE] == nbytes(*states)
+    # Adam keeps two moments per parameter (plus a scalar step each)
+    assert nbytes(*states) == 2 * nbytes(*params) + 4 * len(params)
+    assert end[Category.INPUT] == nbytes(x, y)
+    assert Category.ACTIVATION not in end  # backward freed the graph
+    # the rows add up to the totals
+    r = t.report
+    assert sum(end.values()) == r.allocated_after
+    assert sum(r.breakdown.at_peak.values()) == r.peak_allocated  # type: ignore[union-attr]
+
+
+def test_sgd_momentum_state_is_one_times_the_parameters() -> None:
+    model, x, y = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with cpu(breakdown=True) as t:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    end = t.report.breakdown.at_end  # type: ignore[union-attr]
+    assert end[Category.OPTIMIZER_STATE] == nbytes(*model.parameters())
+
+
+def test_forward_only_keeps_exactly_the_saved_activations() -> None:
+    model, x, _ = make_mlp()
+    with cpu(breakdown=True) as t:
+        out = model(x)
+    end = t.report.breakdown.at_end  # type: ignore[union-attr]
+    # Linear 1 saves x (an input) and its weight; ReLU saves its output, which Linear 2 also
+    # saves: one storage of 32 x 128 floats. The first Linear's output was a temporary.
+    assert end[Category.ACTIVATION] == 32 * 128 * 4
+    assert end[Category.OTHER] == nbytes(out)
+    assert end[Category.PARAMETER] == nbytes(*model.parameters())
+    assert end[Category.INPUT] == nbytes(x)
+    at_peak = t.report.breakdown.at_peak  # type: ignore[union-attr]
+    assert at_peak[Category.TEMPORARY] == 32 * 128 * 4  # Linear 1's output, freed after the ReLU
+    # In the next region the graph is still alive: everything it saves is an activation from
+    # the start (x too: the graph holds it as well as the user). Dropping the output frees it.
+    with cpu(breakdown=True) as t2:
+        del out
+    r2 = t2.report
+    assert r2.breakdown.at_peak[Category.ACTIVATION] == 32 * 128 * 4 + nbytes(x)  # type: ignore[union-attr]
+    assert Category.ACTIVATION not in r2.breakdown.at_end  # type: ignore[union-attr]
+    assert r2.breakdown.at_end[Category.OTHER] == nbytes(x)  # type: ignore[union-attr]
+    assert r2.allocated_delta == -(32 * 10 * 4 + 32 * 128 * 4)
+
+
+def test_activation_kept_by_the_user_is_other_after_backward() -> None:
+    w = torch.randn(100, 100, requires_grad=True)
+    with cpu(breakdown=True) as t:
+        h = torch.sigmoid(w @ w)  # sigmoid saves its output h
+        h.sum().backward()
+    end = t.report.breakdown.at_end  # type: ignore[union-attr]
+    assert Category.ACTIVATION not in end
+    assert end[Category.OTHER] == nbytes(h)
+    assert end[Category.GRADIENT] == nbytes(w)
+
+
+def test_double_backward_still_works_under_breakdown() -> None:
+    a = torch.randn(5, requires_grad=True)
+    with cpu(breakdown=True):
+        b = torch.exp(a)
+        (g,) = torch.autograd.grad(b.sum(), a, create_graph=True)
+        (g2,) = torch.autograd.grad(g.sum(), a)
+    assert torch.allclose(g2, torch.exp(a))
+
+
+def test_timeline_ends_at_after_and_reaches_the_peak() -> None:
+    model, x, y = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with cpu(breakdown=True, timeline=True) as t:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    r = t.report
+    tl = r.timeline
+    assert tl is not None and len(tl) > 10
+    assert max(tl.allocated) == r.peak_allocated
+    assert tl.allocated[-1] == r.allocated_after
+    assert {"forward", "backward", "optimizer"} <= set(tl.phases)
+    assert list(tl.seconds) == sorted(tl.seconds)
+
+
+def test_long_timeline_is_thinned_but_keeps_the_peak() -> None:
+    with cpu(timeline=True) as t:
+        for i in range(6000):
+            x = torch.empty(1000 + (5000 if i == 4321 else 0))
+            del x
+    tl = t.report.timeline
+    assert tl is not None and len(tl) <= memlab.region.MAX_TIMELINE_POINTS
+    assert max(tl.allocated) == t.report.peak_allocated
+    assert t.report.peak_delta == 6000 * 4
+
+
+def test_meta_tensors_are_counted_on_meta() -> None:
+    with memlab.track("meta") as t:
+        x = torch.empty(1000, 1000, device="meta")
+        y = x @ x
+    assert t.report.allocated_delta == 8_000_000
+    assert t.report.device == "meta"
+    del y
+
+
+def test_fake_tensors_are_counted() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), cpu() as t:
+        x = torch.empty(1000, 1000)
+        y = x @ x
+    assert t.report.allocated_delta == 8_000_000
+    del x, y
+
+
+class CountingMode(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_nests_with_a_users_dispatch_mode_both_ways() -> None:
+    user = CountingMode()
+    with cpu() as t, user:
+        x = torch.ones(1000) * 2
+    assert user.calls >= 2 and t.report.allocated_delta == nbytes(x)
+    user2 = CountingMode()
+    with user2, cpu() as t2:
+        y = torch.ones(1000) * 2
+    assert user2.calls >= 2 and t2.report.allocated_delta == nbytes(y)
+    assert hooks_installed() == NOTHING_INSTALLED
+
+
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_exception_removes_everything_and_still_reports(exc: type[BaseException]) -> None:
+    region = cpu(breakdown=True, timeline=True)
+    with pytest.raises(exc), region:
+        keep = torch.empty(1000)
+        assert hooks_installed()["dispatch modes"] == 1
+        raise exc()
+    assert hooks_installed() == NOTHING_INSTALLED
+    r = region.report
+    assert r.raised == exc.__name__
+    assert r.allocated_delta == 4000
+    del keep
+
+
+def test_nothing_installed_after_a_normal_region() -> None:
+    model, x, y = make_mlp()
+    with cpu(breakdown=True):
+        assert hooks_installed() != NOTHING_INSTALLED
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert hooks_installed() == NOTHING_INSTALLED
+
+
+def test_report_before_the_region_closes_is_an_error() -> None:
+    t = cpu()
+    with pytest.raises(RuntimeError, match="still open"):
+        t.report  # noqa: B018
+    with t, pytest.raises(RuntimeError, match="still open"):
+        t.report  # noqa: B018
+    with pytest.raises(RuntimeError, match="one region"), t:
+        pass
+
+
+def test_regions_nest_and_agree() -> None:
+    with cpu() as outer:
+        a = torch.empty(1000)
+        with cpu() as inner:
+            b = torch.empty(2000)
+            del b
+        c = torch.empty(500)
+    assert inner.report.peak_delta == 8000 and inner.report.allocated_delta == 0
+    assert outer.report.peak_delta == 4000 + 8000
+    assert outer.report.allocated_delta == nbytes(a, c)
+
+
+def test_bad_device_says_what_to_do() -> None:
+    with pytest.raises(memlab.DeviceError, match="not a device"):
+        memlab.track("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(memlab.DeviceError, match="no CUDA device"):
+            memlab.track("cuda:1")
+        with pytest.raises(memlab.DeviceError, match="every CUDA device"):
+            memlab.track("all")

@@ -1,0 +1,144 @@
+"""On a GPU: every figure against the CUDA allocator's own counters (run on the GPU machine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+
+import memlab
+from memlab import Category
+
+pytestmark = pytest.mark.cuda
+MiB = 1024**2
+
+
+def sync_stats() -> dict[str, int]:
+    torch.cuda.synchronize()
+    return dict(torch.cuda.memory_stats())
+
+
+def test_figures_equal_memory_stats() -> None:
+    keep = torch.empty(MiB, device="cuda")  # noqa: F841  (CUDA initialised, something allocated)
+    s0 = sync_stats()
+    with memlab.track("cuda") as t:
+        x = torch.empty(MiB, device="cuda")  # 4 MiB: a multiple of 512 B, a block of its own
+        y = torch.empty(8 * MiB, device="cuda")  # 32 MiB transient
+        del y
+    s1 = sync_stats()
+    r = t.report
+    assert r.source == "cuda-allocator" and r.device == f"cuda:{torch.cuda.current_device()}"
+    assert r.allocated_before == s0["allocated_bytes.all.current"]
+    assert r.allocated_after == s1["allocated_bytes.all.current"]
+    assert r.peak_allocated == s1["allocated_bytes.all.peak"]  # reset at the region's start
+    assert r.reserved_before == s0["reserved_bytes.all.current"]
+    assert r.reserved_after == s1["reserved_bytes.all.current"]
+    assert r.peak_reserved == s1["reserved_bytes.all.peak"]
+    assert r.active_after == s1["active_bytes.all.current"]
+    assert r.allocated_delta == 4 * MiB
+    assert r.peak_delta == 4 * MiB + 32 * MiB
+    assert r.peak_scope == "region"
+    del x
+
+
+def test_no_reset_leaves_the_peak_counter_alone() -> None:
+    big = torch.empty(64 * MiB, device="cuda")
+    del big
+    peak_before = sync_stats()["allocated_bytes.all.peak"]
+    with memlab.track("cuda", reset_peak=False) as t:
+        x = torch.empty(MiB, device="cuda")
+    r = t.report
+    assert r.peak_scope == "since-reset"
+    assert r.peak_allocated == max(peak_before, sync_stats()["allocated_bytes.all.peak"])
+    assert r.peak_allocated >= 256 * MiB  # the earlier 256 MiB tensor still counts
+    del x
+
+
+def test_nested_regions_keep_the_outer_peak() -> None:
+    torch.empty(1, device="cuda")
+    with memlab.track("cuda") as outer:
+        t1 = torch.empty(16 * MiB, device="cuda")  # 64 MiB, freed before the inner region
+        del t1
+        with memlab.track("cuda") as inner:
+            t2 = torch.empty(MiB, device="cuda")
+        del t2
+    assert inner.report.peak_delta == 4 * MiB
+    assert outer.report.peak_delta >= 64 * MiB  # not lost to the inner reset
+
+
+def test_oom_is_counted_and_memory_returns() -> None:
+    s0 = sync_stats()
+    with memlab.track("cuda") as t, pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    assert t.report.ooms == 1
+    assert t.report.allocated_after == s0["allocated_bytes.all.current"]
+
+
+def test_breakdown_on_cuda_is_exact_and_the_rest_is_unattributed() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+    ).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 1024, device="cuda")
+    with memlab.track("cuda", breakdown=True) as t:
+        model(x).sum().backward()
+        opt.step()
+    r = t.report
+    end = r.breakdown.at_end  # type: ignore[union-attr]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert end[Category.PARAMETER] == params
+    assert end[Category.GRADIENT] == params
+    assert end[Category.OPTIMIZER_STATE] == 2 * params + 4 * 4
+    # rows add up to the allocator's own figures; what no tensor explains is unattributed
+    assert sum(end.values()) == r.allocated_after
+    assert sum(r.breakdown.at_peak.values()) == r.peak_allocated  # type: ignore[union-attr]
+    assert end[Category.UNATTRIBUTED] >= 0
+
+
+def test_driver_view_matches_mem_get_info() -> None:
+    torch.empty(1, device="cuda")
+    with memlab.track("cuda", driver=True) as t:
+        pass
+    d = t.report.driver
+    assert d is not None
+    free, total = torch.cuda.mem_get_info()
+    assert d.total == total and abs(d.free - free) <= 64 * MiB
+
+
+def test_all_devices() -> None:
+    torch.empty(1, device="cuda")
+    with memlab.track("all") as t:
+        pass
+    assert [r.device for r in t.reports] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def test_magic_on_cuda(ip: Any) -> None:
+    run(ip, "x0 = torch.empty(1, device='cuda')")
+    cell = "x = torch.empty(2**20, device='cuda')\ny = torch.empty(2**23, device='cuda')\ndel y"
+    run(ip, "%%gpumem -o r\n" + cell)
+    r = ip.user_ns["r"]
+    assert r.source == "cuda-allocator"
+    assert r.allocated_delta == 4 * MiB and r.peak_delta == 36 * MiB
+    assert "CUDA caching allocator" in ip.rec.reports()[0]
+    run(ip, "%%gpumem -b -o rb\nw = torch.empty(2**20, device='cuda')")
+    assert ip.user_ns["rb"].breakdown is not None
+    run(ip, "%%gpumem -d cpu -o rc\nz = torch.empty(1000)")
+    assert ip.user_ns["rc"].allocated_delta == 4000
+
+
+def test_a_cell_that_does_not_use_the_gpu_does_not_initialise_cuda() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance(); ip.run_line_magic('load_ext', 'memlab')\n"
+        "ip.run_cell('%%gpumem -q\\nx = 1', store_history=True)\n"
+        "print(torch.cuda.is_initialized())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")

@@ -1,0 +1,66 @@
+"""The package's promises about itself: light import, no CUDA init, lint and types clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def python(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    return out.stdout.strip()
+
+
+def test_import_memlab_pulls_in_nothing_heavy() -> None:
+    heavy = python(
+        "import sys, memlab\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'IPython', 'ipywidgets', 'matplotlib', 'graphviz', 'torchviz', 'ipykernel'}))"
+    )
+    assert heavy == "[]"
+
+
+def test_loading_the_extension_does_not_initialise_cuda_or_change_the_process() -> None:
+    out = python(
+        "import os, sys, torch, warnings\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "env = dict(os.environ); filters = list(warnings.filters)\n"
+        "ip.run_line_magic('load_ext', 'memlab')\n"
+        "print(torch.cuda.is_initialized(), env == dict(os.environ), "
+        "filters == warnings.filters, 'matplotlib' in sys.modules)"
+    )
+    assert out == "False True True False"
+
+
+def test_py_typed_is_shipped() -> None:
+    assert (ROOT / "memlab" / "py.typed").exists()
+
+
+def tool(name: str) -> str:
+    exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if exe is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return exe
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["ruff", "check", "memlab", "tests", "benchmarks"],
+        ["ruff", "format", "--check", "memlab", "tests", "benchmarks"],
+        ["mypy"],
+    ],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
+def test_lint_and_types(cmd: list[str]) -> None:
+    result = subprocess.run([tool(cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr

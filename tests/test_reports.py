@@ -1,0 +1,179 @@
+"""Reports: the dict contract, golden text and HTML, escaping, units, plots."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from memlab import Breakdown, Category, MemoryReport, Reports, Timeline
+from memlab.core.cuda import DriverView
+from memlab.reports.units import fmt_bytes, fmt_seconds
+
+MiB = 1024**2
+
+
+def cuda_report(**changes: Any) -> MemoryReport:
+    r = MemoryReport(
+        device="cuda:0",
+        source="cuda-allocator",
+        allocated_before=512 * MiB,
+        allocated_after=640 * MiB,
+        peak_allocated=1536 * MiB,
+        seconds=0.0123,
+        label="train step",
+        reserved_before=1024 * MiB,
+        reserved_after=2048 * MiB,
+        peak_reserved=2048 * MiB,
+        active_before=512 * MiB,
+        active_after=640 * MiB,
+        alloc_retries=1,
+        ooms=0,
+        breakdown=Breakdown(
+            {
+                Category.PARAMETER: 256 * MiB,
+                Category.ACTIVATION: 900 * MiB,
+                Category.UNATTRIBUTED: 380 * MiB,
+            },
+            {
+                Category.PARAMETER: 256 * MiB,
+                Category.GRADIENT: 256 * MiB,
+                Category.UNATTRIBUTED: 128 * MiB,
+            },
+        ),
+        driver=DriverView(free=70 * 1024 * MiB, total=80 * 1024 * MiB, process_used=2600 * MiB),
+    )
+    return dataclasses.replace(r, **changes)
+
+
+def cpu_report() -> MemoryReport:
+    return MemoryReport(
+        device="cpu",
+        source="tensor-accounting",
+        allocated_before=0,
+        allocated_after=4_000_000,
+        peak_allocated=4_000_000 + 128 * MiB,
+        seconds=0.000812,
+        raised="KeyboardInterrupt",
+    )
+
+
+def test_to_dict_has_the_contract_keys_in_integer_bytes() -> None:
+    d = cuda_report().to_dict()
+    for key in (
+        "device",
+        "allocated_before",
+        "allocated_after",
+        "allocated_delta",
+        "peak_allocated",
+        "peak_delta",
+        "reserved_before",
+        "reserved_after",
+        "seconds",
+        "categories",
+    ):
+        assert key in d
+    assert d["allocated_delta"] == 128 * MiB and d["peak_delta"] == 1024 * MiB
+    cats = d["categories"]
+    assert set(cats) == {"at_peak", "at_end"}
+    assert set(cats["at_peak"]) == {c.value for c in Category}
+    assert all(type(v) is int for part in cats.values() for v in part.values())
+    assert cats["at_end"]["gradient"] == 256 * MiB and cats["at_end"]["activation"] == 0
+    assert "categories" not in cpu_report().to_dict()
+
+
+def test_reports_are_immutable() -> None:
+    r = cuda_report()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.allocated_after = 0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        r.breakdown.at_peak[Category.PARAMETER] = 0  # type: ignore[index, union-attr]
+
+
+def test_text_golden(golden: Any) -> None:
+    golden("report_cuda.txt", str(cuda_report()) + "\n")
+    golden("report_cpu.txt", str(cpu_report()) + "\n")
+
+
+def test_html_golden(golden: Any) -> None:
+    golden("report_cuda.html", cuda_report()._repr_html_() + "\n")
+    golden("report_cpu.html", cpu_report()._repr_html_() + "\n")
+
+
+def test_html_highlights_growth_and_shows_exact_bytes() -> None:
+    html = cuda_report()._repr_html_()
+    assert "#b03a2e" in html  # growth in red
+    assert 'title="134,217,728 B"' in html  # exact delta on hover
+    shrink = cuda_report(allocated_after=0)._repr_html_()
+    assert "#1e8449" in shrink
+
+
+def test_labels_are_escaped() -> None:
+    evil = cuda_report(label='<script>alert("x")</script> & co')
+    html = evil._repr_html_()
+    assert "<script>" not in html and "&lt;script&gt;" in html and "&amp; co" in html
+
+
+def test_notes_explain_what_the_numbers_mean() -> None:
+    text = str(cuda_report(peak_scope="since-reset"))
+    assert "since the allocator's peak counter was last reset" in text
+    assert "1 allocation retry" in text
+    assert "this process 2.54 GiB" in text and "CUDA context" in text
+    assert "raised KeyboardInterrupt" in str(cpu_report())
+
+
+@pytest.mark.parametrize(
+    ("n", "signed", "text"),
+    [
+        (0, False, "0 B"),
+        (512, False, "512 B"),
+        (4_000_000, False, "3.81 MiB"),
+        (4_000_000, True, "+3.81 MiB"),
+        (-4_000_000, True, "-3.81 MiB"),
+        (0, True, "±0 B"),
+        (40 * MiB, False, "40.0 MiB"),
+        (400 * MiB, False, "400 MiB"),
+        (3 * 1024**3, False, "3.00 GiB"),
+        (None, False, "n/a"),
+    ],
+)
+def test_fmt_bytes(n: int | None, signed: bool, text: str) -> None:
+    assert fmt_bytes(n, signed=signed) == text
+
+
+def test_fmt_seconds() -> None:
+    assert [fmt_seconds(s) for s in (0.000812, 0.0123, 1.5, 600)] == [
+        "812 µs",
+        "12.3 ms",
+        "1.50 s",
+        "10.0 min",
+    ]
+
+
+def test_plot_draws_the_timeline() -> None:
+    tl = Timeline(
+        seconds=(0.001, 0.002, 0.003, 0.004),
+        allocated=(100, 300, 200, 150),
+        phases=("forward", "forward", "backward", "optimizer"),
+        source="tensor accounting",
+    )
+    r = dataclasses.replace(cpu_report(), allocated_before=50, peak_allocated=300, timeline=tl)
+    fig = r.plot()
+    ax = fig.axes[0]
+    ys = ax.lines[0].get_ydata()
+    assert max(ys) == pytest.approx(300 / MiB)
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"allocated", "peak", "forward", "backward", "optimizer"} <= set(labels)
+
+
+def test_plot_without_timeline_says_how_to_get_one() -> None:
+    with pytest.raises(ValueError, match="timeline=True"):
+        cpu_report().plot()
+
+
+def test_multi_device_reports() -> None:
+    rs = Reports((cuda_report(), dataclasses.replace(cuda_report(), device="cuda:1")))
+    assert len(rs) == 2 and rs[1].device == "cuda:1"
+    assert rs._repr_html_().count("memlab-report") == 2
+    assert [r["device"] for r in rs.to_dict()["reports"]] == ["cuda:0", "cuda:1"]
