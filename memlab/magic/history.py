@@ -75,11 +75,12 @@ class History:
     def __str__(self) -> str:
         if not self.entries:
             return "memlab history: no tracked cells yet."
-        head = f"{'cell':>6}  {'device':<8}{'after':>11}{'change':>12}{'peak':>11}{'time':>10}"
+        w = max(6, *(len(e.name) for e in self.entries))
+        head = f"{'cell':>{w}}  {'device':<8}{'after':>11}{'change':>12}{'peak':>11}{'time':>10}"
         lines = ["memlab history", head]
         for e in self.entries:
             lines.append(
-                f"{e.name:>6}  {e.device:<8}{fmt_bytes(e.after):>11}"
+                f"{e.name:>{w}}  {e.device:<8}{fmt_bytes(e.after):>11}"
                 f"{fmt_bytes(e.after - e.before, signed=True):>12}{fmt_bytes(e.peak):>11}"
                 f"{fmt_seconds(e.seconds):>10}" + (f"  raised {e.raised}" if e.raised else "")
             )

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepare a fresh machine for memlab: graphviz's `dot`, a virtual environment in .venv with
+# memlab and its lab and test extras, and IPython set to load memlab in every kernel of it.
+# Safe to run again: it only installs what changed. Sourced by scripts/lab.sh and scripts/test.sh.
+#
+#   MEMLAB_TORCH  the torch requirement to install first (default: torch==2.13.0, a CPU build).
+#                 On a machine with its own CUDA torch, e.g. MEMLAB_TORCH="torch>=2.4".
+#   MEMLAB_VENV   where the environment lives (default: .venv in the checkout).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MEMLAB_VENV:-$root/.venv}"
+torch_req="${MEMLAB_TORCH:-torch==2.13.0}"
+
+if ! command -v dot >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "memlab setup: installing graphviz (for the dot executable)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null
+  else
+    echo "memlab setup: graphviz's 'dot' is missing. Install it (apt-get install graphviz," \
+         "conda install graphviz or brew install graphviz) and run this again." >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "memlab setup: creating $venv"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+
+# Install torch first and on its own: a package that depends on torch (torchviz) installed into
+# an environment without it would pull a multi-GB CUDA build.
+stamp="$venv/.memlab-installed"
+want="$(cat "$root/pyproject.toml"; echo "$torch_req")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "memlab setup: installing $torch_req, then memlab[lab,test] (a minute or two)"
+  "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+  "$py" -m pip install -q "$torch_req" 2>&1 | grep -v "is ignored" || true
+  "$py" -c "import torch" || { echo "memlab setup: torch did not install" >&2; exit 1; }
+  "$py" -m pip install -q "$torch_req" -e "$root[lab,test]" 2>&1 | grep -v "is ignored" || true
+  "$py" -c "import memlab, IPython, jupyterlab, pytest" \
+    || { echo "memlab setup: memlab's dependencies did not install" >&2; exit 1; }
+  printf '%s' "$want" > "$stamp"
+fi
+
+# Every IPython kernel started from this environment loads memlab (%load_ext memlab in a
+# notebook is then harmless, and keeps the notebook working elsewhere).
+mkdir -p "$venv/etc/ipython"
+cat > "$venv/etc/ipython/ipython_config.py" <<'PY'
+c = get_config()  # noqa: F821
+if "memlab" not in c.InteractiveShellApp.extensions:
+    c.InteractiveShellApp.extensions.append("memlab")
+PY
+export MEMLAB_PY="$py"
