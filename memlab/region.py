@@ -131,7 +131,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         try:
             if acc is not None:
                 acc.uninstall()
-                if self._state == "open":
+                if self._state == "open" and self.breakdown:
                     acc.watch(self._watched())
                     acc.finish()
         finally:

@@ -226,3 +226,20 @@ def test_loading_the_extension_twice_and_unloading(ip: Any) -> None:
 
 def test_public_api_shape() -> None:
     assert callable(memlab.track) and memlab.Category.ACTIVATION.value == "activation"
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        "x = 1  # a plain cell: no IPython syntax\ny = '%' * 3\ny",
+        ">>> a = 3\n>>> a",  # pasted doctest prompts: IPython strips them
+        "In [1]: b = 4\nIn [2]: b",
+        "def f():\n    return 41\nf() + 1",
+    ],
+)
+def test_cell_means_what_it_means_without_the_magic(ip: Any, cell: str) -> None:
+    bare = run(ip, cell).result
+    ip.rec.clear()
+    tracked = run(ip, "%%gpumem -q\n" + cell)
+    assert tracked.success
+    assert ip.rec.items[0][1]["text/plain"] == repr(bare)

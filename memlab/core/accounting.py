@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core.categories import Category
@@ -33,11 +32,24 @@ class _Mode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         acc = self.accountant
-        flat_in, _ = tree_flatten((args, kwargs))
-        acc.see_inputs(flat_in)
+        acc.see_inputs(args, kwargs)
         out = func(*args, **(kwargs or {}))
         acc.see_outputs(out)
         return out
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or results: top level, and one level into lists and
+    tuples (``cat``, ``stack``, ``split``). ATen schemas nest no deeper."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(w for w in v if isinstance(w, torch.Tensor))
+    return found
 
 
 class _PassThrough(TorchDispatchMode):
@@ -109,29 +121,31 @@ class Accountant:
             self.errors.append(f"activations not tagged: {e}")
 
     # -- the dispatch path --------------------------------------------------------------------
-    def see_inputs(self, flat: list[Any]) -> None:
+    def see_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
         try:
-            for a in flat:
-                if isinstance(a, torch.Tensor):
-                    st = storage_of(a)
-                    if st is None:
-                        continue
-                    entry = self.ledger.existing(a, st)
-                    if self.breakdown:
-                        self.used.add(entry.serial)
-                        if a.requires_grad and a.is_leaf:
-                            self._remember_leaf(a)
+            tensors = _tensors(args)
+            if kwargs:
+                tensors += _tensors(kwargs.values())
+            for a in tensors:
+                st = storage_of(a)
+                if st is None:
+                    continue
+                entry = self.ledger.existing(a, st)
+                if self.breakdown:
+                    self.used.add(entry.serial)
+                    if a.requires_grad and a.is_leaf:
+                        self._remember_leaf(a)
         except Exception as e:  # never break the user's op for our bookkeeping
             self._error(e)
 
     def see_outputs(self, out: Any) -> None:
         try:
-            flat = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-            for t in flat if isinstance(flat, list) else (flat,):
-                if isinstance(t, torch.Tensor):
-                    st = storage_of(t)
-                    if st is not None:
-                        self.ledger.produced(t, st)
+            if out is None:
+                return
+            for t in _tensors(out if isinstance(out, (list, tuple, torch.Tensor)) else (out,)):
+                st = storage_of(t)
+                if st is not None:
+                    self.ledger.produced(t, st)
             if self.breakdown and not self._sweep_queued and self.phase() == Phase.BACKWARD:
                 self._sweep_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)

@@ -44,12 +44,19 @@ class Entry:
         self.alive = True
 
 
+_DEVICE_KEYS: dict[torch.device, str] = {}
+
+
 def device_key(device: torch.device) -> str:
     """``cuda`` becomes ``cuda:<current>``; other devices keep their string form."""
+    key = _DEVICE_KEYS.get(device)
+    if key is not None:
+        return key
     index: int | None = device.index  # None for a bare "cuda" (torch's stubs say int)
     if device.type == "cuda" and index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
+        return f"cuda:{torch.cuda.current_device()}"  # not cached: the current device can change
+    key = _DEVICE_KEYS[device] = str(device)
+    return key
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -119,6 +126,9 @@ class Ledger:
     def existing(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
         """``t``'s storage, alive before now; registered as pre-existing if new to us."""
         key = id(storage)
+        entry = self._entries.get(key)  # the common case, without the lock (atomic under the GIL)
+        if entry is not None:
+            return entry
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -132,6 +142,9 @@ class Ledger:
         """``t``'s storage, returned by an op: new memory, or a known one that may have grown."""
         key = id(storage)
         nbytes = storage.nbytes()
+        entry = self._entries.get(key)
+        if entry is not None and entry.nbytes == nbytes:  # a view or an in-place result
+            return entry
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:

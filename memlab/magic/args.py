@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import keyword
 import re
 from dataclasses import dataclass
@@ -115,8 +116,10 @@ def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def parse_cell_line(line: str) -> Options:
-    """The ``%%gpumem`` line: options, then free words that make the label."""
+    """The ``%%gpumem`` line: options, then free words that make the label. (Cached: the same
+    line comes back cell after cell; a bad line raises every time.)"""
     tokens = [_unquote(t) for t in _TOKEN.findall(line)]
     ns = PARSER.parse_args(tokens)
     return _finish(ns, ns.words)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -23,18 +24,26 @@ from memlab.reports.units import fmt_bytes, fmt_seconds
 _WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
 
 
-def watchable(ns: dict[str, Any]) -> list[Any]:
-    """The notebook's tensors, modules and optimizers (one level into lists, tuples, dicts)."""
+#: Containers longer than this are not looked into (the scan runs at every tracked cell).
+MAX_SCAN = 1000
+_CONTAINERS = (list, tuple, dict)
+_SKIP = frozenset({str, int, float, bool, type(None), type, type(len), type(lambda: 0)})
+
+
+def watchable(ns: dict[str, Any], hidden: Container[str] = ()) -> list[Any]:
+    """The notebook's tensors, modules and optimizers, and those directly inside its lists,
+    tuples and dicts (short ones, not IPython's own In and Out). IPython adds a name per input
+    (``_i42``), so this runs over thousands of names: the common case costs one isinstance."""
     found: list[Any] = []
     for name, value in list(ns.items()):
-        if name.startswith("_"):
+        if type(value) in _SKIP:  # IPython's input history is thousands of strings
             continue
         if isinstance(value, _WATCHED):
             found.append(value)
-        elif isinstance(value, (list, tuple)) and len(value) <= 10_000:
-            found.extend(v for v in value if isinstance(v, _WATCHED))
-        elif isinstance(value, dict) and len(value) <= 10_000:
-            found.extend(v for v in value.values() if isinstance(v, _WATCHED))
+        elif type(value) in _CONTAINERS and name[:1] != "_" and name not in hidden:
+            items = value.values() if type(value) is dict else value
+            if len(items) <= MAX_SCAN:
+                found.extend(v for v in items if isinstance(v, _WATCHED))
     return found
 
 
@@ -96,8 +105,8 @@ class GpumemMagics(Magics):
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
         if ns_watch and (opts.breakdown or any(not t.is_cuda for t in region.targets)):
-            ns = self.sh.user_ns
-            region._watch = lambda: watchable(ns)
+            ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
+            region._watch = lambda: watchable(ns, hidden)
         return region
 
     def _publish(self, region: track, opts: Options) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import re
 import tokenize
 from typing import Any
 
@@ -26,13 +27,15 @@ def compile_cell(shell: InteractiveShell, source: str, first_line: int) -> tuple
     Returns (body code, last-expression code or None, quiet). Raises ``SyntaxError`` as IPython
     would show it, and ``UsageError`` for top-level ``await``.
     """
-    transformed = shell.transform_cell(source)
+    transformed = source if _plain_python(source) else shell.transform_cell(source)
     padded = "\n" * (first_line - 1) + transformed
     filename = shell.compile.cache(padded, shell.execution_count, raw_code=source)
     tree = ast.parse(padded, filename=filename)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    final = tree.body[-1] if tree.body else None
+    if isinstance(final, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(final.value)
     flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
     expr = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
@@ -44,12 +47,23 @@ def compile_cell(shell: InteractiveShell, source: str, first_line: int) -> tuple
     return body, expr, _ends_with_semicolon(transformed)
 
 
+#: What IPython's input transformers act on: magics, shell escapes, help, pasted prompts,
+#: leading indentation. A cell with none of them is plain Python and is compiled as it is.
+_IPYTHON_SYNTAX = re.compile(r"[%!?]|^\s*(>>>|In \[|\.\.\.:)", re.MULTILINE)
+
+
+def _plain_python(source: str) -> bool:
+    return not source[:1].isspace() and _IPYTHON_SYNTAX.search(source) is None
+
+
 def _is_async(code: Any) -> bool:
     return bool(code.co_flags & inspect.CO_COROUTINE)
 
 
 def _ends_with_semicolon(source: str) -> bool:
     """IPython's rule: a trailing ``;`` on the last line hides the cell's value."""
+    if ";" not in source:
+        return False
     skip = {
         tokenize.NEWLINE,
         tokenize.NL,
