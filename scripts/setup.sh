@@ -43,12 +43,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   printf '%s' "$want" > "$stamp"
 fi
 
-# Every IPython kernel started from this environment loads memlab (%load_ext memlab in a
-# notebook is then harmless, and keeps the notebook working elsewhere).
+# Every IPython kernel started from this environment loads memlab.
 mkdir -p "$venv/etc/ipython"
-cat > "$venv/etc/ipython/ipython_config.py" <<'PY'
-c = get_config()  # noqa: F821
-if "memlab" not in c.InteractiveShellApp.extensions:
-    c.InteractiveShellApp.extensions.append("memlab")
-PY
+cp "$root/scripts/ipython_config.py" "$venv/etc/ipython/ipython_config.py"
 export MEMLAB_PY="$py"

@@ -36,6 +36,10 @@ def test_exception_shows_report_then_traceback_at_the_cells_line(ip: Any, capsys
     assert isinstance(r.error_in_exec, ValueError)
     out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
     assert "raise ValueError('boom')" in out and "----> 4" in out
+    assert f"Cell In[{r.execution_count}], line 4" in out  # the cell's own number and line
+    r = run(ip, "%%gpumem -q\nraise KeyError('k')")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert "      1 # %%gpumem -q\n----> 2 raise KeyError('k')" in out
     assert len(ip.rec.reports()) == 1 and "raised ValueError" in ip.rec.reports()[0]
     assert ip.user_ns["a"] == 1 and "c" not in ip.user_ns  # ran up to the error, no further
 
@@ -211,6 +215,9 @@ def test_auto_mode_tracks_every_cell_until_off(ip: Any, capsys: Any) -> None:
     assert len(lines) == 2 and "+3.91 KiB" in lines[0] and "+7.81 KiB" in lines[1]
     history = ip._memlab_magics.history
     assert [e.raised for e in history.entries] == [None, "ValueError", None]
+    n = ip.execution_count  # the next cell; the three above were n-3, n-2, n-1
+    assert [e.cell for e in history.entries] == [n - 3, n - 2, n - 1]
+    assert lines[0].startswith(f"memlab [{n - 3}] cpu")
     run(ip, "%gpumem_auto off")
     ip.rec.clear()
     run(ip, "d = torch.empty(10)")

@@ -47,6 +47,12 @@ def watchable(ns: dict[str, Any], hidden: Container[str] = ()) -> list[Any]:
     return found
 
 
+def cell_number(shell: Any) -> int:
+    """The number of the cell running now. IPython 9 increments execution_count before it runs a
+    cell, older versions after; its displayhook's prompt_count is right in both."""
+    return int(getattr(shell.displayhook, "prompt_count", shell.execution_count))
+
+
 def one_line(r: MemoryReport, cell: int | None = None) -> str:
     where = f"[{cell}] " if cell is not None else ""
     return (
@@ -71,12 +77,12 @@ class GpumemMagics(Magics):
         __tracebackhide__ = True
         if cell is None:
             opts, source = parse_statement_line(line)
-            first_line = 1
+            header = None
         else:
             opts, source = parse_cell_line(line), cell
-            first_line = 2  # line 1 of the visible cell is the %%gpumem line
+            header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
-        body, expr, quiet = runner.compile_cell(self.sh, source, first_line)
+        body, expr, quiet = runner.compile_cell(self.sh, source, header)
         try:
             with region:
                 value = runner.execute(self.sh, body, expr)
@@ -116,7 +122,7 @@ class GpumemMagics(Magics):
             print(f"memlab: no report for this cell ({e.__cause__ or e}).")
             return
         for r in reports:
-            self.history.add(self.sh.execution_count, r)
+            self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
         if opts.out:
             self.sh.user_ns[opts.out] = result
@@ -213,8 +219,8 @@ class GpumemMagics(Magics):
             r = region.report
         except RuntimeError:
             return
-        self.history.add(self.sh.execution_count, r)
-        text = one_line(r, self.sh.execution_count)
+        self.history.add(cell_number(self.sh), r)
+        text = one_line(r, cell_number(self.sh))
         display(
             {
                 "text/plain": text,

@@ -21,15 +21,19 @@ from IPython.core.interactiveshell import InteractiveShell
 _NO_VALUE = object()
 
 
-def compile_cell(shell: InteractiveShell, source: str, first_line: int) -> tuple[Any, Any, bool]:
-    """Compile ``source`` (whose first line is line ``first_line`` of the visible cell).
+def compile_cell(
+    shell: InteractiveShell, source: str, header: str | None = None
+) -> tuple[Any, Any, bool]:
+    """Compile ``source``; ``header`` is the visible line above it (``%%gpumem ...``), kept as a
+    comment so that line numbers and traceback context match the cell the user sees.
 
     Returns (body code, last-expression code or None, quiet). Raises ``SyntaxError`` as IPython
     would show it, and ``UsageError`` for top-level ``await``.
     """
     transformed = source if _plain_python(source) else shell.transform_cell(source)
-    padded = "\n" * (first_line - 1) + transformed
-    filename = shell.compile.cache(padded, shell.execution_count, raw_code=source)
+    padded = transformed if header is None else f"# {header}\n{transformed}"
+    number = getattr(shell.displayhook, "prompt_count", shell.execution_count)
+    filename = shell.compile.cache(padded, number, raw_code=source)
     tree = ast.parse(padded, filename=filename)
     last = None
     final = tree.body[-1] if tree.body else None
