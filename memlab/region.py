@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memlab.core.accounting import Accountant
+from memlab.core.accounting import Accountant, warm_up
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion, driver_view
 from memlab.core.devices import Target, resolve
@@ -85,6 +85,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         )
         try:
             if needs_accounting:
+                warm_up()  # once per process, and never inside a measured region
                 acc = self._accountant = Accountant(self._ledger, self.breakdown)
                 acc.watch(self._watched())
                 for t in _alive(self._inputs):
@@ -107,6 +108,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             self._state = "failed"
             raise
         self._t0 = time.perf_counter()
+        for rec in self._recorders.values():
+            rec.set_origin(self._t0)
         return self
 
     def __exit__(

@@ -291,3 +291,13 @@ def test_bad_device_says_what_to_do() -> None:
             memlab.track("cuda:1")
         with pytest.raises(memlab.DeviceError, match="every CUDA device"):
             memlab.track("all")
+
+
+def test_allocation_is_stamped_when_its_op_starts() -> None:
+    a = torch.randn(1500, 1500)
+    with cpu(timeline=True) as t:
+        c = a @ a  # tens of ms of compute after its output was allocated
+    tl = t.report.timeline
+    assert tl is not None and len(tl) == 1
+    assert tl.seconds[0] < t.report.seconds / 2
+    del c

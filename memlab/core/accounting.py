@@ -9,6 +9,7 @@ is removed in ``uninstall()``, which the region calls in ``finally``.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -33,8 +34,9 @@ class _Mode(TorchDispatchMode):
     ) -> Any:
         acc = self.accountant
         acc.see_inputs(args, kwargs)
+        started = time.perf_counter()  # an op takes its output memory when it starts
         out = func(*args, **(kwargs or {}))
-        acc.see_outputs(out)
+        acc.see_outputs(out, started)
         return out
 
 
@@ -62,7 +64,7 @@ class _PassThrough(TorchDispatchMode):
 _warmed = False
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """The first op under any dispatch mode makes torch import torch._dynamo (~2 s, once per
     process). Pay that here, outside every measured region, instead of inside the first one."""
     global _warmed
@@ -91,7 +93,7 @@ class Accountant:
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
         """Enter the mode and hooks; on any failure, undo what was done and re-raise."""
-        _warm_up()
+        warm_up()
         try:
             if self.breakdown:
                 self._install_role_hooks()
@@ -138,14 +140,14 @@ class Accountant:
         except Exception as e:  # never break the user's op for our bookkeeping
             self._error(e)
 
-    def see_outputs(self, out: Any) -> None:
+    def see_outputs(self, out: Any, started: float) -> None:
         try:
             if out is None:
                 return
             for t in _tensors(out if isinstance(out, (list, tuple, torch.Tensor)) else (out,)):
                 st = storage_of(t)
                 if st is not None:
-                    self.ledger.produced(t, st)
+                    self.ledger.produced(t, st, started)
             if self.breakdown and not self._sweep_queued and self.phase() == Phase.BACKWARD:
                 self._sweep_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class _Listener(Protocol):
     device: str
 
-    def on_alloc(self, serial: int, delta: int) -> None: ...
+    def on_alloc(self, serial: int, delta: int, when: float) -> None: ...
     def on_free(self, serial: int, nbytes: int, category: Category | None) -> None: ...
     def on_discovered(self, serial: int, nbytes: int) -> None: ...
     def on_mark(self, serial: int, category: Category) -> None: ...
@@ -138,8 +138,9 @@ class Ledger:
                         listener.on_discovered(entry.serial, entry.nbytes)
             return entry
 
-    def produced(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
-        """``t``'s storage, returned by an op: new memory, or a known one that may have grown."""
+    def produced(self, t: torch.Tensor, storage: torch.UntypedStorage, when: float) -> Entry:
+        """``t``'s storage, returned by an op that started at ``when`` (perf_counter): new
+        memory, or a known one that may have grown."""
         key = id(storage)
         nbytes = storage.nbytes()
         entry = self._entries.get(key)
@@ -158,7 +159,7 @@ class Ledger:
                 self._totals[entry.device] += delta
             for listener in self._listeners:
                 if listener.device == entry.device:
-                    listener.on_alloc(entry.serial, delta)
+                    listener.on_alloc(entry.serial, delta, when)
             return entry
 
     def classify(self, t: torch.Tensor, category: Category) -> None:

@@ -60,6 +60,7 @@ class Recorder:
         self.before = self.current = self.peak = 0
         self.peak_time = 0.0
         self._t0 = 0.0
+        self._last = 0.0
         self._first_serial = 0
         self._serials: array[int] = array("q")
         self._deltas: array[int] = array("q")
@@ -78,6 +79,10 @@ class Recorder:
             self._t0 = time.perf_counter()
             self.ledger.attach(self)
 
+    def set_origin(self, t0: float) -> None:
+        """Time zero of the region (perf_counter); events before it are stamped 0."""
+        self._t0 = t0
+
     def stop(self) -> None:
         self.ledger.detach(self)
 
@@ -85,8 +90,11 @@ class Recorder:
         return serial < self._first_serial or serial in self._discovered
 
     # -- ledger callbacks (called under the ledger's lock) ------------------------------------
-    def _log(self, serial: int, delta: int, kind: int) -> None:
-        now = time.perf_counter() - self._t0
+    def _log(self, serial: int, delta: int, kind: int, when: float | None = None) -> None:
+        now = (time.perf_counter() if when is None else when) - self._t0
+        # An allocation is stamped when its op started; never before what is already logged.
+        now = max(now, self._last)
+        self._last = now
         if kind == _BYTES:
             self.current += delta
             if self.current > self.peak:
@@ -99,8 +107,8 @@ class Recorder:
             self._times.append(now)
             self._phases.append(self._phase())
 
-    def on_alloc(self, serial: int, delta: int) -> None:
-        self._log(serial, delta, _BYTES)
+    def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        self._log(serial, delta, _BYTES, when)
 
     def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
         if self.keep_events:

@@ -98,7 +98,8 @@ class History:
             delta = e.after - e.before
             colour = "#b03a2e" if delta > 0 else "#1e8449" if delta < 0 else "#7f8c8d"
             rows.append(
-                f'<tr><td style="{cell}">{escape(e.name)}</td><td style="{cell}">'
+                f'<tr><td style="{cell};text-align:left">{escape(e.name)}</td>'
+                f'<td style="{cell};text-align:left">'
                 f"{escape(e.device)}</td>"
                 f'<td style="{cell}" title="{e.after:,} B">{fmt_bytes(e.after)}</td>'
                 f'<td style="{cell};color:{colour};font-weight:600" title="{delta:,} B">'

@@ -15,6 +15,7 @@ from memlab.reports.units import fmt_bytes
 _GROW, _SHRINK, _FLAT = "#b03a2e", "#1e8449", "#7f8c8d"
 _CELL = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
 _HEAD = "padding:1px 8px;text-align:right;font-weight:600;color:#555"
+_NAME = "padding:1px 8px 1px 0;text-align:left"  # explicit: JupyterLab right-aligns table cells
 
 
 def _num(n: int | None, signed: bool = False, colour: bool = False) -> str:
@@ -43,7 +44,7 @@ def render_html(r: MemoryReport) -> str:
     ]
     for row in lay.rows:
         out.append(
-            f'<tr><td style="padding:1px 8px 1px 0;font-weight:600">{row.name}</td>'
+            f'<tr><td style="{_NAME};font-weight:600">{row.name}</td>'
             + _num(row.before)
             + _num(row.after)
             + _num(row.delta, signed=True, colour=True)
@@ -60,7 +61,7 @@ def render_html(r: MemoryReport) -> str:
         )
         for c in lay.categories:
             out.append(
-                f'<tr><td style="padding:1px 8px 1px 0" title="{escape(c.description)}">'
+                f'<tr><td style="{_NAME}" title="{escape(c.description)}">'
                 f"{escape(c.category.value.replace('_', ' '))}</td>"
                 + _num(c.at_peak)
                 + _num(c.at_end)
