@@ -104,8 +104,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if self._accountant is not None:
                 self._accountant.install()
         except BaseException:
-            self._teardown()
             self._state = "failed"
+            self._teardown()
             raise
         self._t0 = time.perf_counter()
         for rec in self._recorders.values():
@@ -116,18 +116,19 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            for cr in self._cuda.values():
-                cr.finish()
-            self._seconds = time.perf_counter() - self._t0
-        finally:
-            self._teardown()
-            self._state = "closed"
-        try:
+            try:
+                for cr in self._cuda.values():
+                    cr.finish()
+                self._seconds = time.perf_counter() - self._t0
+            finally:
+                self._teardown()
             self._reports = Reports(tuple(self._build(t, et) for t in self.targets))
         except Exception as e:  # never mask the region's own exception with ours
             self._build_error = e
             if et is None:
                 raise
+        finally:
+            self._state = "closed"
 
     def _teardown(self) -> None:
         acc = self._accountant
@@ -140,6 +141,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         finally:
             for rec in self._recorders.values():
                 rec.stop()
+            for cr in self._cuda.values():
+                cr.close()
 
     def _watched(self) -> Iterable[Any]:
         return self._watch() if callable(self._watch) else _alive(self._watch)

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
 from memlab import Category
+from memlab.core.ledger import default_ledger
 
 MiB = 1024**2
 
@@ -301,3 +302,39 @@ def test_allocation_is_stamped_when_its_op_starts() -> None:
     assert tl is not None and len(tl) == 1
     assert tl.seconds[0] < t.report.seconds / 2
     del c
+
+
+def test_a_failure_in_memlab_never_replaces_the_regions_own_exception(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from memlab.core.accounting import Accountant
+
+    def broken(self: Accountant) -> None:
+        raise RuntimeError("memlab's own bug")
+
+    monkeypatch.setattr(Accountant, "finish", broken)
+    region = cpu(breakdown=True)
+    with pytest.raises(ZeroDivisionError), region:
+        1 / 0  # noqa: B018
+    assert hooks_installed() == NOTHING_INSTALLED
+    with pytest.raises(RuntimeError, match="could not build") as info:
+        region.report  # noqa: B018
+    assert "memlab's own bug" in str(info.value.__cause__)
+    # without an exception of its own, the region lets memlab's error through
+    with pytest.raises(RuntimeError, match="memlab's own bug"), cpu(breakdown=True):
+        pass
+    assert hooks_installed() == NOTHING_INSTALLED
+
+
+def test_a_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memlab.core.accounting import Accountant
+
+    def broken(self: Accountant) -> None:
+        raise RuntimeError("cannot install")
+
+    monkeypatch.setattr(Accountant, "install", broken)
+    region = cpu(breakdown=True)
+    with pytest.raises(RuntimeError, match="cannot install"), region:
+        pass
+    assert hooks_installed() == NOTHING_INSTALLED
+    assert not default_ledger()._listeners

@@ -113,11 +113,15 @@ class CudaRegion:
         self.peak_floor = max(self.peak_floor, seen.peak_allocated)
         self.peak_reserved_floor = max(self.peak_reserved_floor, seen.peak_reserved)
 
-    def finish(self) -> None:
+    def close(self) -> None:
+        """Leave the stack of open regions (idempotent); later regions stop folding into it."""
         with CudaRegion._lock:
             stack = CudaRegion._open.get(self.index, [])
             if self in stack:
                 stack.remove(self)
+
+    def finish(self) -> None:
+        self.close()
         if torch.cuda.is_initialized():
             torch.cuda.synchronize(self.index)
         self.end = read_counters(self.index)

@@ -10,14 +10,11 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from memlab.core.categories import STICKY, Category, stronger
-
-if TYPE_CHECKING:
-    from memlab.core.recorder import Recorder
 
 
 class _Listener(Protocol):
@@ -101,11 +98,11 @@ class Ledger:
         return len(self._entries)
 
     # -- listeners --------------------------------------------------------------------------
-    def attach(self, listener: Recorder) -> None:
+    def attach(self, listener: _Listener) -> None:
         with self._lock:
             self._listeners.append(listener)
 
-    def detach(self, listener: Recorder) -> None:
+    def detach(self, listener: _Listener) -> None:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
@@ -215,13 +212,6 @@ class Ledger:
             for listener in self._listeners:
                 if listener.device == entry.device:
                     listener.on_free(entry.serial, entry.nbytes, entry.category)
-
-    def clear(self) -> None:
-        """Forget everything (the weak references go, so no callback fires later)."""
-        with self._lock:
-            self._entries.clear()
-            self._totals.clear()
-            self._packs.clear()
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]

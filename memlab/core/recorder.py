@@ -39,7 +39,6 @@ class Replay:
     before: int
     after: int
     peak: int
-    peak_seconds: float
     at_peak: dict[Category, int] | None
     at_end: dict[Category, int] | None
     times: array[float] | None
@@ -58,7 +57,6 @@ class Recorder:
         self.keep_events = keep_events
         self._phase = phase
         self.before = self.current = self.peak = 0
-        self.peak_time = 0.0
         self._t0 = 0.0
         self._last = 0.0
         self._first_serial = 0
@@ -97,9 +95,7 @@ class Recorder:
         self._last = now
         if kind == _BYTES:
             self.current += delta
-            if self.current > self.peak:
-                self.peak = self.current
-                self.peak_time = now
+            self.peak = max(self.peak, self.current)
         if self.keep_events:
             self._serials.append(serial)
             self._deltas.append(delta)
@@ -137,9 +133,7 @@ class Recorder:
         """
         after = self.ledger.total(self.device)
         if not self.keep_events:
-            return Replay(
-                self.before, after, self.peak, self.peak_time, None, None, None, None, None
-            )
+            return Replay(self.before, after, self.peak, None, None, None, None, None)
         at_peak = at_end = None
         if breakdown:
             at_peak, at_end = self._categories(used)
@@ -153,9 +147,7 @@ class Recorder:
                 totals.append(running)
                 times.append(self._times[i])
                 phases.append(self._phases[i])
-        return Replay(
-            self.before, after, self.peak, self.peak_time, at_peak, at_end, times, totals, phases
-        )
+        return Replay(self.before, after, self.peak, at_peak, at_end, times, totals, phases)
 
     def _categories(self, used: Collection[int]) -> tuple[dict[Category, int], dict[Category, int]]:
         lasting: dict[int, Category | None] = {}

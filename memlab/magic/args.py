@@ -80,9 +80,9 @@ def _parser() -> _Parser:
 PARSER = _parser()
 HELP = PARSER.format_help()
 
-#: Options that take a value, for splitting ``%gpumem [options] STATEMENT``.
-_VALUED = {"-d", "--device", "-o", "--out", "-l", "--label"}
-_FLAGS = {"-b", "--breakdown", "-t", "--timeline", "--no-reset", "--driver", "-q", "--quiet"}
+#: For splitting ``%gpumem [options] STATEMENT``: the options with a value and the flags.
+_VALUED = {s for a in PARSER._actions for s in a.option_strings if a.nargs != 0}
+_FLAGS = {s for a in PARSER._actions for s in a.option_strings if a.nargs == 0}
 _TOKEN = re.compile(r"""\s*("[^"]*"|'[^']*'|\S+)""")
 
 

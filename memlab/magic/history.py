@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -33,12 +32,9 @@ class Entry(NamedTuple):
         return self.label or f"[{self.cell}]"
 
 
-@dataclass
 class History:
-    entries: deque[Entry]
-
     def __init__(self) -> None:
-        self.entries = deque(maxlen=MAX_ENTRIES)
+        self.entries: deque[Entry] = deque(maxlen=MAX_ENTRIES)
 
     def add(self, cell: int, report: MemoryReport) -> None:
         self.entries.append(

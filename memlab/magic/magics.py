@@ -97,7 +97,7 @@ class GpumemMagics(Magics):
         self._publish(region, opts)
         return None
 
-    def _region(self, opts: Options, ns_watch: bool = True) -> track:
+    def _region(self, opts: Options) -> track:
         try:
             region = track(
                 opts.device,
@@ -110,7 +110,7 @@ class GpumemMagics(Magics):
             )
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
-        if ns_watch and (opts.breakdown or any(not t.is_cuda for t in region.targets)):
+        if opts.breakdown or any(not t.is_cuda for t in region.targets):
             ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
             region._watch = lambda: watchable(ns, hidden)
         return region

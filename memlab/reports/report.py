@@ -100,10 +100,6 @@ class MemoryReport:
         """Peak minus before: how far the region climbed above where it started."""
         return self.peak_allocated - self.allocated_before
 
-    @property
-    def is_estimate(self) -> bool:
-        return self.source != "cuda-allocator"
-
     def to_dict(self) -> dict[str, Any]:
         """Plain data: every memory figure is an int in bytes."""
         d: dict[str, Any] = {
