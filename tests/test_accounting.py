@@ -338,3 +338,55 @@ def test_a_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -
         pass
     assert hooks_installed() == NOTHING_INSTALLED
     assert not default_ledger()._listeners
+
+
+def test_region_with_only_backward_knows_the_gradients() -> None:
+    model, x, y = make_mlp()
+    loss = torch.nn.functional.cross_entropy(model(x), y)  # forward outside any region
+    with cpu(breakdown=True) as t:
+        loss.backward()
+    end = t.report.breakdown.at_end  # type: ignore[union-attr]
+    assert end[Category.GRADIENT] == nbytes(*model.parameters())
+    assert end[Category.PARAMETER] == nbytes(*model.parameters())
+
+
+def saved_by_graph(root: object, exclude: set[int]) -> int:
+    """Bytes of the unique storages a graph saved, read from its nodes' _saved_* attributes."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                for t in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        if st.data_ptr() not in exclude:
+                            storages[st.data_ptr()] = st.nbytes()
+        stack.extend(f for f, _ in node.next_functions)  # type: ignore[attr-defined]
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_activations_equal_what_the_graph_saved(amp: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    x = torch.randn(128, 512)
+    with cpu(breakdown=True) as t, torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        out = model(x)
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude.add(x.untyped_storage().data_ptr())  # an input, not an activation
+    truth = saved_by_graph(out.grad_fn, exclude)
+    assert t.report.breakdown.at_end[Category.ACTIVATION] == truth  # type: ignore[union-attr]
+    # By hand. fp32: each Linear after the first saves its input (the first saves x, an input).
+    # bf16 autocast on the CPU: every Linear saves a bf16 copy of its input (x's copy too), and
+    # each one whose input needs grad also a bf16 copy of its weight (the first's doesn't): for
+    # 512 x 512 weights and a batch of 128 that is more bytes than fp32, not half.
+    bf16 = 2
+    amp_bytes = 3 * 512 * 512 * bf16 + 4 * 128 * 512 * bf16
+    assert truth == (amp_bytes if amp else 3 * 128 * 512 * 4)

@@ -148,9 +148,12 @@ class Accountant:
                 st = storage_of(t)
                 if st is not None:
                     self.ledger.produced(t, st, started)
-            if self.breakdown and not self._sweep_queued and self.phase() == Phase.BACKWARD:
-                self._sweep_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            if self.breakdown and not self._sweep_queued:
+                node = torch._C._current_autograd_node()
+                if node is not None:  # the first op of a backward pass
+                    self._sweep_queued = True
+                    self._remember_leaves_of(node)
+                    torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         except Exception as e:
             self._error(e)
 
@@ -201,6 +204,24 @@ class Accountant:
     def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
         self.watch_optimizer(opt)
+
+    def _remember_leaves_of(self, node: Any) -> None:
+        """The leaves this backward pass will give gradients to: the variables of the graph's
+        AccumulateGrad nodes. (A region that runs only backward never saw the forward that
+        would have told us which tensors are parameters.)"""
+        seen: set[int] = set()
+        keep = []  # hold the nodes while walking, so that no id is reused
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n is None or id(n) in seen:
+                continue
+            seen.add(id(n))
+            keep.append(n)
+            leaf = getattr(n, "variable", None)
+            if isinstance(leaf, torch.Tensor):
+                self._remember_leaf(leaf)
+            stack.extend(f for f, _ in getattr(n, "next_functions", ()))
 
     def _after_backward(self) -> None:
         self._sweep_queued = False
