@@ -91,11 +91,16 @@ def test_breakdown_on_cuda_is_exact_and_the_rest_is_unattributed() -> None:
     params = sum(p.numel() * 4 for p in model.parameters())
     assert end[Category.PARAMETER] == params
     assert end[Category.GRADIENT] == params
-    assert end[Category.OPTIMIZER_STATE] == 2 * params + 4 * 4
-    # rows add up to the allocator's own figures; what no tensor explains is unattributed
-    assert sum(end.values()) == r.allocated_after
-    assert sum(r.breakdown.at_peak.values()) == r.peak_allocated  # type: ignore[union-attr]
-    assert end[Category.UNATTRIBUTED] >= 0
+    # Adam's moments live on the GPU; its `step` counters stay on the CPU unless capturable
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    on_gpu = sum(v.numel() * v.element_size() for v in states if v.is_cuda)
+    assert on_gpu == 2 * params
+    assert end[Category.OPTIMIZER_STATE] == on_gpu
+    # Tensor bytes never exceed the allocator's figures (it rounds blocks up and holds the
+    # cuBLAS workspace); the difference is what the report calls unattributed.
+    for part, total in ((end, r.allocated_after), (r.breakdown.at_peak, r.peak_allocated)):  # type: ignore[union-attr]
+        accounted = sum(v for c, v in part.items() if c is not Category.UNATTRIBUTED)
+        assert 0 <= total - accounted == part.get(Category.UNATTRIBUTED, 0)
 
 
 def test_driver_view_matches_mem_get_info() -> None:
