@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memlab.core.accounting import Accountant, warm_up
+from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion, driver_view
 from memlab.core.devices import Target, resolve
@@ -85,7 +85,6 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         )
         try:
             if needs_accounting:
-                warm_up()  # once per process, and never inside a measured region
                 acc = self._accountant = Accountant(self._ledger, self.breakdown)
                 acc.watch(self._watched())
                 for t in _alive(self._inputs):

@@ -93,7 +93,7 @@ class Accountant:
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
         """Enter the mode and hooks; on any failure, undo what was done and re-raise."""
-        warm_up()
+        warm_up()  # before the region's clock starts (track() starts it after install)
         try:
             if self.breakdown:
                 self._install_role_hooks()
