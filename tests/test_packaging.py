@@ -64,3 +64,16 @@ def tool(name: str) -> str:
 def test_lint_and_types(cmd: list[str]) -> None:
     result = subprocess.run([tool(cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_memlab_never_calls_what_would_change_the_users_process() -> None:
+    forbidden = ("empty_cache(", "gc.collect(", "settrace(", "setprofile(", "basicConfig(")
+    for path in sorted((ROOT / "memlab").rglob("*.py")):
+        text = path.read_text()
+        for call in forbidden:
+            assert call not in text, f"{path.relative_to(ROOT)} calls {call}"
+
+
+def test_torchviz_imports_with_the_declared_dependencies() -> None:
+    # torchviz still imports distutils, which Python 3.12 removed (setuptools provides it there)
+    assert python("import torchviz; print(callable(torchviz.make_dot))") == "True"
