@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "memlab setup: installing $torch_req, then memlab[lab,test] (a minute or two)"
   "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
   "$py" -m pip install -q "$torch_req" 2>&1 | grep -v "is ignored" || true
-  "$py" -c "import torch" || { echo "memlab setup: torch did not install" >&2; exit 1; }
+  "$py" -W ignore -c "import torch" || { echo "memlab setup: torch did not install" >&2; exit 1; }
   "$py" -m pip install -q "$torch_req" -e "$root[lab,test]" 2>&1 | grep -v "is ignored" || true
   "$py" -c "import memlab, IPython, jupyterlab, pytest" \
     || { echo "memlab setup: memlab's dependencies did not install" >&2; exit 1; }
