@@ -414,3 +414,15 @@ def test_checkpointed_blocks_save_only_their_inputs() -> None:
     # first block's input is x, an input), and memlab's pack hook gives way to checkpoint's.
     assert activations(False) == 15 * one
     assert activations(True) == 7 * one
+
+
+def test_iter_nodes_walks_a_deep_graph_without_recursion() -> None:
+    from memlab.core.autograd import iter_nodes
+
+    x = torch.ones(1, requires_grad=True)
+    y = x
+    for _ in range(5000):  # deeper than Python's recursion limit
+        y = y * 1.0
+    nodes = list(iter_nodes([y.grad_fn, None]))
+    assert len(nodes) == 5001  # 5000 MulBackward0 and x's AccumulateGrad, each once
+    assert sum(type(n).__name__ == "AccumulateGrad" for n in nodes) == 1

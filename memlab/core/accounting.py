@@ -19,6 +19,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
@@ -209,19 +210,10 @@ class Accountant:
         """The leaves this backward pass will give gradients to: the variables of the graph's
         AccumulateGrad nodes. (A region that runs only backward never saw the forward that
         would have told us which tensors are parameters.)"""
-        seen: set[int] = set()
-        keep = []  # hold the nodes while walking, so that no id is reused
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n is None or id(n) in seen:
-                continue
-            seen.add(id(n))
-            keep.append(n)
+        for n in iter_nodes([node]):
             leaf = getattr(n, "variable", None)
             if isinstance(leaf, torch.Tensor):
                 self._remember_leaf(leaf)
-            stack.extend(f for f, _ in getattr(n, "next_functions", ()))
 
     def _after_backward(self) -> None:
         self._sweep_queued = False
