@@ -169,6 +169,27 @@ class GpumemMagics(Magics):
         if "--no-plot" not in args and len(self.history):
             display(_png(self.history.plot()))
 
+    # -- %gpumem_leaks --------------------------------------------------------------------------
+    @line_magic
+    def gpumem_leaks(self, line: str) -> None:
+        """Find variables that keep autograd graphs (and their saved tensors) alive.
+
+        %gpumem_leaks            show them, with the bytes each keeps alive and the fix
+        %gpumem_leaks -o NAME    also store the report in NAME
+        """
+        from memlab.graph.retained import find_retained
+
+        args = line.split()
+        out = None
+        if args[:1] == ["-o"] and len(args) == 2 and args[1].isidentifier():
+            out = args[1]
+        elif args:
+            raise UsageError("%gpumem_leaks takes no arguments but -o NAME.")
+        report = find_retained(self.sh.user_ns, skip=self.sh.user_ns_hidden)
+        if out:
+            self.sh.user_ns[out] = report
+        display(report)
+
     # -- %gpumem_auto ---------------------------------------------------------------------------
     @line_magic
     def gpumem_auto(self, line: str) -> None:

@@ -1,0 +1,33 @@
+"""What an autograd node saved for backward, read from its ``_saved_*`` attributes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+class GraphFreedError(RuntimeError):
+    """The graph's saved tensors were already released by ``backward()``."""
+
+
+def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(attribute, tensor) for each tensor ``node`` saved. Raises GraphFreedError when backward
+    already released them (run the analysis before backward, or backward with retain_graph)."""
+    names = _NAMES.get(type(node))
+    if names is None:
+        names = _NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_saved_"))
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except RuntimeError as e:
+            raise GraphFreedError(
+                f"{type(node).__name__} was already run by backward(), which freed what it "
+                "saved; look at the graph before calling backward()."
+            ) from e
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                yield name, t

@@ -1,0 +1,102 @@
+"""The retained-graph finder against bytes the tests compute themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+
+import memlab
+from memlab import Category
+from memlab.graph.retained import find_retained
+from memlab.graph.saved import GraphFreedError, saved_tensors
+
+
+def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    return model, torch.randn(32, 64)
+
+
+def one_forward_activations(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """What one forward saves, measured by the core's tensor accounting."""
+    with memlab.track("cpu", breakdown=True) as t:
+        out = model(x)
+    del out
+    return t.report.breakdown.at_end[Category.ACTIVATION]  # type: ignore[union-attr]
+
+
+def test_eval_loop_that_keeps_outputs_with_grad_holds_four_forwards() -> None:
+    model, x = mlp()
+    one = one_forward_activations(model, x)
+    assert one == 32 * 128 * 4  # the ReLU output, saved by ReLU and by the second Linear
+    outs = []
+    for _ in range(4):
+        outs.append(model(x))
+    report = find_retained({"outs": outs, "x": x, "model": model})
+    assert [i.name for i in report.items] == ["outs"]
+    item = report.items[0]
+    assert item.bytes == 4 * one and item.tensors == 4 and item.example == "outs[0]"
+    assert "no_grad" in item.fix and "detach" in item.fix
+    assert report.total == 4 * one
+
+
+def test_detached_outputs_and_numbers_report_nothing() -> None:
+    model, x = mlp()
+    outs = [model(x).detach() for _ in range(4)]
+    losses = [model(x).sum().item() for _ in range(4)]
+    with torch.no_grad():
+        kept = [model(x) for _ in range(4)]
+    report = find_retained({"outs": outs, "losses": losses, "kept": kept, "model": model})
+    assert report.items == ()
+    assert "no variable" in str(report)
+
+
+def test_shared_graphs_are_counted_once_and_found_in_dicts_and_attributes() -> None:
+    model, x = mlp()
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.history = {"last": model(x)}
+
+    trainer = Trainer()
+    same = trainer.history["last"]
+    one = 32 * 128 * 4
+    report = find_retained({"trainer": trainer, "same": same, "x": x})
+    assert report.total == one  # one graph, reachable from two variables, charged once
+    assert report.items[0].example == "trainer.history['last']"
+
+
+def test_intermediates_the_user_holds_are_not_charged() -> None:
+    w = torch.randn(100, 100, requires_grad=True)
+    h = torch.sigmoid(w @ w)  # sigmoid saves h itself, which the variable holds anyway
+    y = (h * h).sum()  # saves h twice (held) -> nothing that detaching would free
+    report = find_retained({"h": h, "y": y, "w": w})
+    assert report.total == 0
+
+
+def test_after_backward_the_graph_keeps_nothing() -> None:
+    model, x = mlp()
+    loss = model(x).sum()
+    loss.backward()
+    assert find_retained({"loss": loss, "x": x}).items == ()
+    with pytest.raises(GraphFreedError, match="before calling backward"):
+        list(saved_tensors(loss.grad_fn.next_functions[0][0]))
+
+
+def test_magic_names_the_leaking_variable(ip: Any) -> None:
+    run(
+        ip,
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), "
+        "torch.nn.Linear(128, 10))\nx = torch.randn(32, 64)\n"
+        "losses = []\nfor _ in range(3):\n    losses.append(model(x).sum())",
+    )
+    ip.rec.clear()
+    r = run(ip, "%gpumem_leaks -o leaks")
+    assert r.success
+    html = ip.rec.html()[0]
+    assert "<code>losses</code>" in html and "memlab-retained" in html
+    assert ip.user_ns["leaks"].total == 3 * 32 * 128 * 4
+    assert "-o NAME" in str(run(ip, "%gpumem_leaks --bogus").error_in_exec)
