@@ -10,9 +10,9 @@ import argparse
 
 import torch
 from common import emit, header, median_time
-from models import resnet18
 
 import memlab
+from memlab.examples import resnet18
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 from memlab.core.categories import Category
 from memlab.core.devices import DeviceError
+from memlab.graphs.capture import NoGraphError, graph, graph_of
+from memlab.graphs.model import Graph
 from memlab.region import track
 from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
 
@@ -19,10 +21,14 @@ __all__ = [
     "Breakdown",
     "Category",
     "DeviceError",
+    "Graph",
     "MemlabWarning",
     "MemoryReport",
+    "NoGraphError",
     "Reports",
     "Timeline",
+    "graph",
+    "graph_of",
     "load_ipython_extension",
     "track",
     "unload_ipython_extension",

@@ -27,6 +27,9 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
         o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
     ]
     assert not errors
-    # the committed copy carries outputs, so a reader on GitHub sees results without running it
+    # The committed copy was executed (every code cell has its count) and carries outputs, so a
+    # reader on GitHub sees results without running it.
     committed = nbformat.read(path, as_version=4)
-    assert all(c.outputs for c in committed.cells if c.cell_type == "code" and c.source.strip())
+    code = [c for c in committed.cells if c.cell_type == "code" and c.source.strip()]
+    assert all(c.execution_count for c in code), f"{path.name}: commit it executed"
+    assert sum(len(c.outputs) for c in code) >= len(code) // 2

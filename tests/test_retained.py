@@ -10,8 +10,8 @@ from conftest import run
 
 import memlab
 from memlab import Category
-from memlab.graph.retained import find_retained
-from memlab.graph.saved import GraphFreedError, saved_tensors
+from memlab.graphs.retained import find_retained
+from memlab.graphs.saved import GraphFreedError, saved_tensors
 
 
 def mlp() -> tuple[torch.nn.Module, torch.Tensor]:

@@ -177,7 +177,7 @@ class GpumemMagics(Magics):
         %gpumem_leaks            show them, with the bytes each keeps alive and the fix
         %gpumem_leaks -o NAME    also store the report in NAME
         """
-        from memlab.graph.retained import find_retained
+        from memlab.graphs.retained import find_retained
 
         args = line.split()
         out = None

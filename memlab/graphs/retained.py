@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from memlab.core.autograd import iter_nodes
-from memlab.graph.saved import GraphFreedError, saved_tensors
+from memlab.graphs.saved import GraphFreedError, saved_tensors
 from memlab.reports.units import fmt_bytes
 
 MAX_ITEMS = 10_000

@@ -1,0 +1,179 @@
+"""The annotated graph as plain data: nodes, what each saved, which module made it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+from memlab.reports.units import fmt_bytes
+
+#: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
+#: earliest node that saved it), memory another node already accounts for (shared), and memory
+#: that exists anyway (parameter or buffer, an input of the forward).
+KINDS = ("activation", "shared", "parameter", "input")
+
+
+@dataclass(frozen=True)
+class Saved:
+    attr: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int  # the bytes of the whole storage this tensor views
+    kind: str
+
+    def describe(self) -> str:
+        shape = "×".join(map(str, self.shape)) or "scalar"
+        name = self.attr.removeprefix("_saved_")
+        return f"{name}: {shape} {self.dtype}, {fmt_bytes(self.nbytes)} ({self.kind})"
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    op: str
+    module: str  # dotted module path ("" outside every module)
+    bytes: int  # activation bytes charged to this node
+    saved: tuple[Saved, ...]
+    inputs: tuple[int, ...]  # ids of the nodes backward goes to next
+    leaf: str | None = None  # for AccumulateGrad: the parameter's name, or "input"
+
+
+@dataclass(frozen=True)
+class Graph:
+    """An autograd graph annotated with the bytes each node saved for backward.
+
+    ``activation_bytes`` counts each saved storage once (charged to the earliest node that saved
+    it) and leaves out parameters, buffers and the forward's inputs, which exist anyway: it
+    equals what ``memlab.track(breakdown=True)`` reports as activation for the same forward.
+    """
+
+    nodes: tuple[Node, ...]
+    roots: tuple[int, ...]
+    #: Bytes of the parameter and buffer storages the graph saved, each once (not activations:
+    #: they exist anyway).
+    saved_parameter_bytes: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(n.bytes for n in self.nodes)
+
+    def by_module(self, depth: int | None = None) -> Mapping[str, tuple[int, int]]:
+        """Module path (cut to ``depth`` components) -> (activation bytes, node count)."""
+        out: dict[str, tuple[int, int]] = {}
+        for n in self.nodes:
+            key = module_at(n.module, depth)
+            b, c = out.get(key, (0, 0))
+            out[key] = (b + n.bytes, c + 1)
+        return out
+
+    def heaviest(self, k: int = 10) -> list[Node]:
+        return sorted((n for n in self.nodes if n.bytes), key=lambda n: -n.bytes)[:k]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "activation_bytes": self.activation_bytes,
+            "saved_parameter_bytes": self.saved_parameter_bytes,
+            "nodes": [
+                {
+                    "id": n.id,
+                    "op": n.op,
+                    "module": n.module,
+                    "bytes": n.bytes,
+                    "inputs": list(n.inputs),
+                    "leaf": n.leaf,
+                    "saved": [s.__dict__ for s in n.saved],
+                }
+                for n in self.nodes
+            ],
+            "roots": list(self.roots),
+            "notes": list(self.notes),
+        }
+
+    # -- drawing ------------------------------------------------------------------------------
+    def dot(self, depth: int | None = None) -> str:
+        """The DOT text. ``depth``: collapse modules below that many path components into one
+        box each (a module-level view); ``None`` draws every node."""
+        from memlab.graphs.dot import to_dot
+
+        return to_dot(self, depth)
+
+    @property
+    def source(self) -> str:
+        return self.dot()
+
+    def svg(self, depth: int | None = None) -> str:
+        from memlab.graphs.dot import render_svg
+
+        return render_svg(self.dot(depth))
+
+    def view(self, depth: int) -> GraphView:
+        """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``."""
+        return GraphView(self, depth)
+
+    def table_html(self, k: int = 10) -> str:
+        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+        left = "padding:1px 8px;text-align:left"
+        rows = "".join(
+            f'<tr><td style="{left}">{escape(n.op)}</td><td style="{left}">'
+            f"{escape(n.module or '(no module)')}</td>"
+            f'<td style="{cell}" title="{n.bytes:,} B">{fmt_bytes(n.bytes)}</td></tr>'
+            for n in self.heaviest(k)
+        )
+        return (
+            f'<div style="font-family:system-ui,sans-serif;font-size:12px"><b>'
+            f"{fmt_bytes(self.activation_bytes)} saved for backward</b> in {len(self.nodes)} "
+            f"nodes (parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)})"
+            f'<table style="border-collapse:collapse"><tr><th style="{left}">heaviest node</th>'
+            f'<th style="{left}">module</th><th style="{cell}">saved</th></tr>{rows}</table></div>'
+        )
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        return _bundle(self, None)
+
+    def __str__(self) -> str:
+        lines = [
+            f"memlab graph: {len(self.nodes)} nodes, {fmt_bytes(self.activation_bytes)} saved "
+            "for backward"
+        ]
+        lines += [f"  {fmt_bytes(n.bytes):>10}  {n.op}  {n.module}" for n in self.heaviest()]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class GraphView:
+    graph: Graph
+    depth: int
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        return _bundle(self.graph, self.depth)
+
+    def svg(self) -> str:
+        return self.graph.svg(self.depth)
+
+    @property
+    def source(self) -> str:
+        return self.graph.dot(self.depth)
+
+
+def module_at(path: str, depth: int | None) -> str:
+    if depth is None or not path:
+        return path
+    return ".".join(path.split(".")[:depth])
+
+
+def _bundle(graph: Graph, depth: int | None) -> dict[str, Any]:
+    from memlab.graphs.dot import DotMissingError
+
+    table = graph.table_html()
+    try:
+        svg = graph.svg(depth)
+    except DotMissingError as e:
+        return {
+            "text/plain": f"{e}\n\n{graph.dot(depth)}",
+            "text/html": f"<div><b>{escape(str(e))}</b></div>{table}"
+            f"<details><summary>DOT text</summary><pre>{escape(graph.dot(depth))}</pre></details>",
+        }
+    return {"text/html": svg + table, "text/plain": str(graph)}

@@ -1,0 +1,224 @@
+"""Annotated autograd graphs: exact bytes, module attribution, rendering, robustness."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional
+
+import memlab
+from memlab import Category
+from memlab.graphs.dot import DotMissingError
+from memlab.graphs.saved import GraphFreedError
+
+
+def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    return model, torch.randn(32, 64)
+
+
+def accounted_activations(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    with memlab.track("cpu", breakdown=True) as t:
+        out = model(*inputs)
+    del out
+    return t.report.breakdown.at_end.get(Category.ACTIVATION, 0)  # type: ignore[union-attr]
+
+
+def test_mlp_bytes_are_exact_and_charged_to_the_earliest_saver() -> None:
+    model, x = mlp()
+    g = memlab.graph(model, x)
+    relu = [n for n in g.nodes if n.op == "ReluBackward0"]
+    assert len(relu) == 1 and relu[0].bytes == 32 * 128 * 4 and relu[0].module == "1"
+    second = next(n for n in g.nodes if n.op == "AddmmBackward0" and n.module == "2")
+    kinds = {s.attr: s.kind for s in second.saved}
+    assert kinds == {"_saved_mat1": "shared", "_saved_mat2": "parameter"}  # ReLU's output
+    first = next(n for n in g.nodes if n.op == "AddmmBackward0" and n.module == "0")
+    assert [s.kind for s in first.saved] == ["input"]  # x exists anyway
+    assert g.activation_bytes == 32 * 128 * 4
+    leaves = sorted(n.leaf for n in g.nodes if n.leaf)
+    assert leaves == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_graph_total_equals_the_cores_activation_accounting(name: str) -> None:
+    torch.manual_seed(0)
+    if name == "mlp":
+        model, x = mlp()
+    else:
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        x = torch.randn(4, 16, 64)
+    assert memlab.graph(model, x).activation_bytes == accounted_activations(model, x) > 0
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.gelu(self.proj(x)) * torch.sigmoid(
+            x
+        )  # functional ops belong to the block
+
+
+def test_functional_ops_belong_to_the_module_whose_forward_ran_them() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    g = memlab.graph(model, torch.randn(8, 32))
+    ops = {(n.op, n.module) for n in g.nodes}
+    assert ("GeluBackward0", "0") in ops and ("SigmoidBackward0", "1") in ops
+    assert ("AddmmBackward0", "0.proj") in ops and ("AddmmBackward0", "1.proj") in ops
+    by_top = g.by_module(depth=1)
+    assert sum(b for b, _ in by_top.values()) == g.activation_bytes
+    assert set(by_top) == {"0", "1"}
+
+
+def test_meta_capture_allocates_nothing_and_agrees_with_cpu() -> None:
+    model, x = mlp()
+    cpu = memlab.graph(model, x).activation_bytes
+    meta = memlab.graph(model.to("meta"), x.to("meta"))
+    assert meta.activation_bytes == cpu
+    assert "ReluBackward0" in meta.dot()
+
+
+def test_names_with_quotes_and_markup_are_escaped_in_dot_and_svg() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module('a "q" <b> & c', torch.nn.Linear(4, 4))
+    model.add_module("act", torch.nn.Tanh())
+    g = memlab.graph(model, torch.randn(2, 4))
+    svg = g.svg()
+    root = ET.fromstring(svg)  # well-formed XML despite the name
+    text = "".join(root.itertext())
+    assert 'a "q" <b> & c' in text
+    assert '\\"q\\"' in g.dot()
+
+
+def test_ten_thousand_nodes_walk_without_recursion() -> None:
+    x = torch.ones(4, requires_grad=True)
+    y = x
+    for _ in range(10_000):
+        y = y * 1.0001
+    g = memlab.graph_of(y)
+    assert len(g.nodes) == 10_001
+    assert g.dot().count("->") == 10_000
+
+
+def test_a_weight_shared_by_hundreds_of_nodes_is_drawn_without_its_edges() -> None:
+    w = torch.randn(16, requires_grad=True)
+    y = sum((w * float(i)).sum() for i in range(300))
+    assert isinstance(y, torch.Tensor)
+    g = memlab.graph_of(y)
+    dot = g.dot()
+    assert "used by 300 nodes" in dot
+    svg = g.svg()  # lays out quickly: no 300-edge fan-in
+    assert "used by 300 nodes" in svg
+
+
+def test_output_without_a_graph_says_how_to_get_one() -> None:
+    with torch.no_grad():
+        t = torch.ones(3) * 2
+    with pytest.raises(memlab.NoGraphError, match="grad enabled"):
+        memlab.graph_of(t)
+
+
+def test_graph_after_backward_says_to_annotate_before() -> None:
+    model, x = mlp()
+    out = model(x).sum()
+    out.backward()
+    with pytest.raises(GraphFreedError, match="before calling backward"):
+        memlab.graph_of(out)
+
+
+def test_dot_missing_gives_install_advice_and_keeps_the_dot_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, x = mlp()
+    g = memlab.graph(model, x)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(DotMissingError, match="apt-get install graphviz"):
+        g.svg()
+    bundle = g._repr_mimebundle_()
+    assert "apt-get install graphviz" in bundle["text/html"]
+    assert "digraph memlab" in bundle["text/plain"]
+
+
+def test_module_level_view_collapses_modules_into_boxes() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    g = memlab.graph(model, torch.randn(8, 32))
+    view = g.view(depth=1)
+    dot = view.source
+    assert dot.count("nodes ·") == 3  # one box per block (each holds several nodes)
+    assert "AddmmBackward0" not in dot
+    assert "<svg" in view._repr_mimebundle_()["text/html"]
+
+
+def test_notebook_display_has_svg_and_the_heaviest_nodes() -> None:
+    model, x = mlp()
+    html = memlab.graph(model, x)._repr_mimebundle_()["text/html"]
+    assert "<svg" in html and "ReluBackward0" in html and "16.0 KiB" in html
+
+
+def test_golden_dot(golden: Any) -> None:
+    model, x = mlp()
+    golden("graph_mlp.dot", memlab.graph(model, x).dot())
+    golden("graph_mlp_modules.dot", memlab.graph(model, x).dot(depth=1))
+
+
+def test_to_dict_is_plain_data() -> None:
+    model, x = mlp()
+    d = memlab.graph(model, x).to_dict()
+    assert d["activation_bytes"] == 32 * 128 * 4
+    assert sum(n["bytes"] for n in d["nodes"]) == d["activation_bytes"]
+
+
+def test_views_are_charged_once_with_their_base() -> None:
+    a = torch.randn(10, 10, requires_grad=True)
+    e = a.exp()  # saves its result e: 400 B
+    v = e.t()  # a view of e: no new storage
+    s = v.sigmoid()  # saves its result s: 400 B
+    m = v * s  # saves v (e's storage) and s: both already charged
+    g = memlab.graph_of(m)
+    assert g.activation_bytes == 800
+    mul = next(n for n in g.nodes if n.op == "MulBackward0")
+    assert mul.bytes == 0 and {x.kind for x in mul.saved} == {"shared"}
+
+
+def test_in_place_results_are_charged_once() -> None:
+    a = torch.randn(10, 10, requires_grad=True)
+    with memlab.track("cpu", breakdown=True) as t:
+        b = a.clone()  # saves nothing
+        b.relu_()  # saves its result, which is b's own storage: 400 B
+        c = b.exp()  # saves its result, a new storage: 400 B
+    g = memlab.graph_of(c)
+    assert g.activation_bytes == 400 + 400
+    assert t.report.breakdown.at_end[Category.ACTIVATION] == 800  # type: ignore[union-attr]
+
+
+def test_a_shared_weight_is_a_parameter_counted_once() -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16)
+    # The first matmul saves only x (x needs no grad, so w is not needed); the next two save
+    # w (for the gradient of their other operand) and their tanh input, a 4 x 16 activation.
+    h = torch.tanh(torch.tanh(x @ w) @ w) @ w
+    g = memlab.graph_of(h.sum(), inputs=[x])
+    assert g.saved_parameter_bytes == 16 * 16 * 4  # saved by two matmuls, counted once
+    assert g.activation_bytes == 2 * 4 * 16 * 4
+    leaf = next(n for n in g.nodes if n.leaf)
+    assert leaf.leaf == "input"  # graph_of has no module to name it (memlab.graph does)
+
+
+def test_fake_tensor_capture() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model, x = mlp()  # parameters and input are fake: nothing is allocated
+        g = memlab.graph(model, x)
+    assert g.activation_bytes == 32 * 128 * 4
