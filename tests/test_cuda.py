@@ -147,3 +147,24 @@ def test_a_cell_that_does_not_use_the_gpu_does_not_initialise_cuda() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("False")
+
+
+def test_graph_bytes_against_the_allocators_growth_over_the_forward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)
+    ).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    model(x).sum().backward()  # warm-up: cuBLAS workspace allocated before we measure
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    g = memlab.graph(model, x)  # the graph is freed when it returns: compare with the peak
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - before
+    output = 256 * 1024 * 4
+    # At the end of the forward, what it allocated is what the graph saved plus the output,
+    # rounded up by the allocator (512 B blocks): the graph accounts for all of it.
+    assert g.activation_bytes + output <= growth <= g.activation_bytes + output + 1024**2
+    print(f"graph {g.activation_bytes:,} B + output {output:,} B; allocator peak +{growth:,} B")

@@ -105,7 +105,7 @@ def to_dot(graph: Graph, depth: int | None = None) -> str:
         box_id = {k: f"m{i}" for i, k in enumerate(boxes)}
         for k in boxes:
             b, c = totals[k]
-            label = f"{k or '(outside modules)'}\n{c} node{'s' * (c != 1)} · {fmt_bytes(b)}"
+            label = f"{k or '(top level)'}\n{c} node{'s' * (c != 1)} · {fmt_bytes(b)}"
             out.append(
                 f"{box_id[k]} [label={q(label)}, fillcolor={q(heat.colour(b))}, "
                 f"tooltip={q(f'{k}: {b:,} B saved by {c} autograd nodes')}];"

@@ -118,7 +118,7 @@ class Graph:
         left = "padding:1px 8px;text-align:left"
         rows = "".join(
             f'<tr><td style="{left}">{escape(n.op)}</td><td style="{left}">'
-            f"{escape(n.module or '(no module)')}</td>"
+            f"{escape(n.module or '(top level)')}</td>"
             f'<td style="{cell}" title="{n.bytes:,} B">{fmt_bytes(n.bytes)}</td></tr>'
             for n in self.heaviest(k)
         )
