@@ -212,7 +212,7 @@ def test_a_shared_weight_is_a_parameter_counted_once() -> None:
     assert g.saved_parameter_bytes == 16 * 16 * 4  # saved by two matmuls, counted once
     assert g.activation_bytes == 2 * 4 * 16 * 4
     leaf = next(n for n in g.nodes if n.leaf)
-    assert leaf.leaf == "input"  # graph_of has no module to name it (memlab.graph does)
+    assert leaf.leaf == "parameter 16×16"  # graph_of has no model to name it (memlab.graph does)
 
 
 def test_fake_tensor_capture() -> None:

@@ -44,14 +44,8 @@ def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Gra
     """The annotated graph behind tensors that already have a ``grad_fn``. Module names are
     unknown here (``memlab.graph`` runs the forward to learn them); leaves that require grad are
     the graph's parameters, and ``inputs`` are tensors that exist anyway."""
-    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    leaves = [
-        n.variable
-        for n in iter_nodes(roots)
-        if isinstance(getattr(n, "variable", None), torch.Tensor)
-    ]
     notes = ("modules unknown: memlab.graph(model, *inputs) runs the forward to learn them",)
-    return _build(list(outputs), [], _storages(leaves), _storages(inputs), {}, notes)
+    return _build(list(outputs), [], None, _storages(inputs), {}, notes)
 
 
 @contextlib.contextmanager
@@ -108,12 +102,13 @@ def _owners(intervals: list[tuple[int, int, str]]) -> dict[int, str]:
 def _build(
     outputs: list[torch.Tensor],
     intervals: list[tuple[int, int, str]],
-    fixed: dict[int, Any],
+    fixed: dict[int, Any] | None,
     given: dict[int, Any],
     params: dict[int, str],
     notes: tuple[str, ...],
 ) -> Graph:
-    """``fixed``: storages of parameters and buffers; ``given``: of the forward's inputs."""
+    """``fixed``: storages of parameters and buffers (``None``: the graph's leaves);
+    ``given``: storages of the forward's inputs."""
     roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
     if not roots:
         raise NoGraphError(
@@ -124,6 +119,9 @@ def _build(
     owner = _owners(intervals)
     nodes = list(iter_nodes(roots))
     index = {id(n): i for i, n in enumerate(nodes)}
+    if fixed is None:
+        leaves = (getattr(n, "variable", None) for n in nodes)
+        fixed = _storages([t for t in leaves if isinstance(t, torch.Tensor)])
     # Order by creation, so that a storage is charged to the earliest node that saved it.
     order = sorted(range(len(nodes)), key=lambda i: nodes[i]._sequence_nr())
     charged: set[int] = set()
@@ -137,8 +135,12 @@ def _build(
         leaf_name = None
         module = owner.get(seq, "")
         if isinstance(leaf, torch.Tensor):
-            leaf_name = params.get(id(leaf), "input")
-            module = leaf_name.rpartition(".")[0] if leaf_name != "input" else ""
+            leaf_name = params.get(id(leaf))
+            if leaf_name is None:  # not a named parameter of the model
+                kind = "parameter" if isinstance(leaf, torch.nn.Parameter) else "leaf"
+                leaf_name = f"{kind} {'×'.join(map(str, leaf.shape)) or 'scalar'}"
+            else:
+                module = leaf_name.rpartition(".")[0]
         saved, total = [], 0
         for attr, t in saved_tensors(n):
             st = t.untyped_storage()
