@@ -143,6 +143,13 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             for cr in self._cuda.values():
                 cr.close()
 
+    def mark(self, t: torch.Tensor, category: Category) -> None:
+        """Tell the open region what a tensor is (e.g. an input created inside the region)."""
+        if self._state != "open":
+            raise RuntimeError("mark() works inside the region's `with` block.")
+        if self._accountant is not None:
+            self._accountant.mark(t, category)
+
     def _watched(self) -> Iterable[Any]:
         return self._watch() if callable(self._watch) else _alive(self._watch)
 
@@ -231,13 +238,13 @@ def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
 
 def _breakdown(replay: Replay, peak: int | None, end: int | None) -> Breakdown | None:
     """Categories from the replay; on CUDA, what the allocator holds beyond them is unattributed."""
-    if replay.at_peak is None or replay.at_end is None:
+    if replay.at_peak is None or replay.at_end is None or replay.highest is None:
         return None
     at_peak, at_end = dict(replay.at_peak), dict(replay.at_end)
     if peak is not None and end is not None:
         at_peak[Category.UNATTRIBUTED] = peak - sum(at_peak.values())
         at_end[Category.UNATTRIBUTED] = end - sum(at_end.values())
-    return Breakdown(at_peak, at_end)
+    return Breakdown(at_peak, at_end, replay.highest)
 
 
 def _timeline(replay: Replay, offset: int) -> Timeline | None:

@@ -76,7 +76,7 @@ def test_to_dict_has_the_contract_keys_in_integer_bytes() -> None:
         assert key in d
     assert d["allocated_delta"] == 128 * MiB and d["peak_delta"] == 1024 * MiB
     cats = d["categories"]
-    assert set(cats) == {"at_peak", "at_end"}
+    assert set(cats) == {"at_peak", "at_end", "highest"}
     assert set(cats["at_peak"]) == {c.value for c in Category}
     assert all(type(v) is int for part in cats.values() for v in part.values())
     assert cats["at_end"]["gradient"] == 256 * MiB and cats["at_end"]["activation"] == 0

@@ -41,6 +41,7 @@ class Replay:
     peak: int
     at_peak: dict[Category, int] | None
     at_end: dict[Category, int] | None
+    highest: dict[Category, int] | None
     times: array[float] | None
     totals: array[int] | None
     phases: array[int] | None
@@ -133,10 +134,10 @@ class Recorder:
         """
         after = self.ledger.total(self.device)
         if not self.keep_events:
-            return Replay(self.before, after, self.peak, None, None, None, None, None)
-        at_peak = at_end = None
+            return Replay(self.before, after, self.peak, None, None, None, None, None, None)
+        at_peak = at_end = highest = None
         if breakdown:
-            at_peak, at_end = self._categories(used)
+            at_peak, at_end, highest = self._categories(used)
         totals: array[int] = array("q")
         times: array[float] = array("d")
         phases: array[int] = array("b")
@@ -147,9 +148,14 @@ class Recorder:
                 totals.append(running)
                 times.append(self._times[i])
                 phases.append(self._phases[i])
-        return Replay(self.before, after, self.peak, at_peak, at_end, times, totals, phases)
+        return Replay(
+            self.before, after, self.peak, at_peak, at_end, highest, times, totals, phases
+        )
 
-    def _categories(self, used: Collection[int]) -> tuple[dict[Category, int], dict[Category, int]]:
+    def _categories(
+        self, used: Collection[int]
+    ) -> tuple[dict[Category, int], dict[Category, int], dict[Category, int]]:
+        """Bytes per category at the peak, at the end, and the highest each reached."""
         lasting: dict[int, Category | None] = {}
         size: dict[int, int] = {}
         saved: dict[int, bool] = {}
@@ -191,6 +197,7 @@ class Recorder:
             if nbytes:
                 sums[role(serial)] += nbytes
         best, best_total = dict(sums), sum(sums.values())
+        highest = dict(sums)
         total = best_total
         for i, kind in enumerate(self._kinds):
             serial = self._serials[i]
@@ -201,6 +208,8 @@ class Recorder:
                 total += delta
                 if total > best_total:
                     best_total, best = total, dict(sums)
+                category = role(serial)
+                highest[category] = max(highest[category], sums[category])
             else:
                 was = role(serial)
                 saved[serial] = kind == _SAVED
@@ -208,4 +217,9 @@ class Recorder:
                 if now is not was:
                     sums[was] -= size[serial]
                     sums[now] += size[serial]
-        return {c: best[c] for c in Category if best[c]}, {c: sums[c] for c in Category if sums[c]}
+                    highest[now] = max(highest[now], sums[now])
+
+        def nonzero(d: dict[Category, int]) -> dict[Category, int]:
+            return {c: d[c] for c in Category if d[c]}
+
+        return nonzero(best), nonzero(sums), nonzero(highest)

@@ -24,19 +24,22 @@ PEAK_SCOPES = {
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes per category at the region's peak and at its end."""
+    """Bytes per category at the region's peak, at its end, and the highest each category
+    reached at any moment (activations peak at the end of a forward, which is often not when the
+    whole step peaks)."""
 
     at_peak: Mapping[Category, int]
     at_end: Mapping[Category, int]
+    highest: Mapping[Category, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "at_peak", MappingProxyType(dict(self.at_peak)))
-        object.__setattr__(self, "at_end", MappingProxyType(dict(self.at_end)))
+        for name in ("at_peak", "at_end", "highest"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {
-            "at_peak": {c.value: int(self.at_peak.get(c, 0)) for c in Category},
-            "at_end": {c.value: int(self.at_end.get(c, 0)) for c in Category},
+            name: {c.value: int(getattr(self, name).get(c, 0)) for c in Category}
+            for name in ("at_peak", "at_end", "highest")
         }
 
 

@@ -1,0 +1,315 @@
+"""Run one step under a configuration, measured, and leave the user's model as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from memlab.core.categories import Category
+from memlab.core.ledger import default_ledger
+from memlab.region import track
+from memlab.reports.report import MemoryReport
+from memlab.whatif.config import RunConfig, WhatIfError
+
+ModelFn = Callable[[], nn.Module]
+InputFn = Callable[[int], Any]
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    config: RunConfig
+    report: MemoryReport | None
+    oom: bool = False
+    error: str | None = None
+    #: The retention experiment: memory allocated after each iteration, in bytes.
+    series: tuple[int, ...] = ()
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.report is None else self.report.peak_allocated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.describe(),
+            "oom": self.oom,
+            "error": self.error,
+            "series": list(self.series),
+            "report": None if self.report is None else self.report.to_dict(),
+        }
+
+
+def run(
+    model_fn: ModelFn,
+    input_fn: InputFn,
+    loss_fn: LossFn | None = None,
+    config: RunConfig | None = None,
+) -> RunResult:
+    """A warm-up step, then one measured step under ``config``.
+
+    model_fn(): the model, on the run's device. A new one each call keeps runs isolated; if it
+        returns your existing model, memlab restores its weights, buffers, gradients, train/eval
+        modes and forwards afterwards, also when the run fails.
+    input_fn(batch_size): the model's input (a tensor, or a tuple passed as arguments).
+    loss_fn(output): a scalar loss (default: the mean square of the output).
+    Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
+    """
+    config = config or RunConfig()
+    device = _device(config.device)
+    model = _call("model_fn", model_fn)
+    if not isinstance(model, nn.Module):
+        raise WhatIfError(f"model_fn must return a torch.nn.Module, not {type(model).__name__}.")
+    _check_device("the model", [*model.parameters(), *model.buffers()], device)
+    training = config.mode == "train" and config.retention == "off"
+    if training and not any(p.requires_grad for p in model.parameters()):
+        raise WhatIfError(
+            "The model has no trainable parameters, so a training step has nothing to do: use "
+            "mode='no_grad', or unfreeze some parameters."
+        )
+    with _restored(model, weights=training), _checkpointed(model, config.checkpoint):
+        opt = _optimizer(model, config) if training else None
+        scaler = torch.amp.GradScaler(device.type) if training and config.amp == "fp16" else None
+        step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler)
+        try:
+            if config.warmup:
+                step(lambda t: None)
+            region = track(device, breakdown=True, timeline=True, watch=[model])
+            with region:
+                kept, series = step(lambda t: region.mark(t, Category.INPUT))
+            del kept
+        except torch.cuda.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)  # the frames hold the step's tensors
+            message = str(e).splitlines()[0]
+            del e
+            report = region.report if "region" in locals() and region._state == "closed" else None
+            return RunResult(config, report, oom=True, error=f"CUDA out of memory: {message}")
+    report = region.report
+    over = config.budget is not None and report.peak_allocated > config.budget
+    error = (
+        f"the peak ({report.peak_allocated:,} B) exceeds the budget ({config.budget:,} B)"
+        if over
+        else None
+    )
+    return RunResult(config, report, oom=over, error=error, series=tuple(series))
+
+
+# -- the step ---------------------------------------------------------------------------------
+def _step(
+    model: nn.Module,
+    input_fn: InputFn,
+    loss_fn: LossFn | None,
+    config: RunConfig,
+    device: torch.device,
+    opt: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler | None,
+    mark: Callable[[torch.Tensor], None],
+) -> tuple[list[Any], list[int]]:
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.amp)
+    autocast = functools.partial(torch.autocast, device.type, dtype=amp, enabled=amp is not None)
+    if config.retention != "off":  # evaluation with grad enabled, outputs kept
+        model.eval()
+        kept, series = [], []
+        for _ in range(config.iterations):
+            with autocast():
+                out = model(*_inputs(input_fn, config.batch_size, device, mark))
+            kept.append(out if config.retention == "attached" else _detach(out))
+            series.append(_allocated(device))
+        return kept, series
+    if config.mode != "train":
+        model.eval()
+        grad = torch.no_grad() if config.mode == "no_grad" else torch.inference_mode()
+        with grad, autocast():
+            out = model(*_inputs(input_fn, config.batch_size, device, mark))
+        return [out], []
+    assert opt is not None
+    model.train()
+    micro = config.batch_size // config.accumulation
+    for _ in range(config.accumulation):
+        with autocast():
+            out = model(*_inputs(input_fn, micro, device, mark))
+            loss = _loss(loss_fn, out) / config.accumulation
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del out, loss
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [], []
+
+
+def _inputs(
+    input_fn: InputFn, batch: int, device: torch.device, mark: Callable[[torch.Tensor], None]
+) -> tuple[Any, ...]:
+    value = _call("input_fn", input_fn, batch)
+    inputs = value if isinstance(value, tuple) else (value,)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    _check_device("input_fn's result", tensors, device)
+    for t in tensors:
+        mark(t)
+    return inputs
+
+
+def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
+    if loss_fn is None:
+        first = (
+            out
+            if isinstance(out, torch.Tensor)
+            else next((t for t in out if isinstance(t, torch.Tensor)), None)
+        )
+        if first is None:
+            raise WhatIfError("The model's output holds no tensor: give a loss_fn.")
+        return first.float().pow(2).mean()
+    loss = _call("loss_fn", loss_fn, out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise WhatIfError(
+            f"loss_fn must return a scalar tensor (e.g. end it with .mean()), not {shape}."
+        )
+    return loss
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    return type(out)(_detach(o) for o in out) if isinstance(out, (list, tuple)) else out
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return default_ledger().total(str(device))
+
+
+# -- set-up and restoring -----------------------------------------------------------------------
+def _device(spec: str | None) -> torch.device:
+    if spec is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError as e:
+        raise WhatIfError(f"{spec!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'.") from e
+    index: int | None = dev.index  # None for a bare "cuda" (torch's stubs say int)
+    if dev.type == "cuda" and index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    if not callable(fn):
+        raise WhatIfError(f"{name} must be a function, not {type(fn).__name__}.")
+    try:
+        return fn(*args)
+    except (WhatIfError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        raise WhatIfError(f"{name} raised {type(e).__name__}: {e}") from e
+
+
+def _check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:
+    for t in tensors:
+        dev = t.device
+        index: int | None = dev.index
+        if dev.type == "cuda" and index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev != device:
+            raise WhatIfError(
+                f"{what} is on {dev}, but the run is on {device}: create it on {device}, "
+                "or choose that device for the run."
+            )
+
+
+def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if config.optimizer == "sgd_momentum":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    return torch.optim.AdamW(params, lr=config.lr)
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
+    children (two or more) are all of one type. Nested repeats inside a block are left alone."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(f + ".") for f in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+                found += [f"{path}.{n}" if path else n for n, _ in children]
+    return found
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[None]:
+    if spec == "off":
+        yield
+        return
+    named = dict(model.named_modules())
+    paths = blocks(model) if spec == "auto" else list(spec)
+    missing = [p for p in paths if p not in named]
+    if missing:
+        top = ", ".join(list(named)[1:8])
+        raise WhatIfError(f"No module {missing[0]!r} in the model (its modules: {top}, ...).")
+    if not paths:
+        raise WhatIfError(
+            "checkpoint='auto' found no repeated blocks (a ModuleList or Sequential of identical "
+            "layers): name the modules to checkpoint instead."
+        )
+    wrapped: list[nn.Module] = []
+    try:
+        for p in paths:
+            module = named[p]
+            original = module.forward
+
+            def forward(*args: Any, _f: Callable[..., Any] = original, **kw: Any) -> Any:
+                return torch_checkpoint(_f, *args, use_reentrant=False, **kw)
+
+            module.forward = forward
+            wrapped.append(module)
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward  # the class's forward shows through again
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module, weights: bool) -> Iterator[None]:
+    """Leave ``model`` as it was: modes, gradients and (after a training step) its values."""
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    values = {}
+    if weights:  # copies on the CPU: a copy on the GPU would double what the run measures
+        with torch.no_grad():
+            values = {
+                k: v.detach().to("cpu", copy=True)
+                for k, v in model.state_dict(keep_vars=True).items()
+                if v.device.type != "meta"  # meta tensors hold no values
+            }
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, g in grads:
+            p.grad = g
+        if values:
+            with torch.no_grad():
+                for k, v in model.state_dict(keep_vars=True).items():
+                    if k in values:
+                        v.copy_(values[k])
