@@ -21,6 +21,7 @@ __all__ = [
     "Breakdown",
     "Category",
     "DeviceError",
+    "Explorer",
     "Graph",
     "MemlabWarning",
     "MemoryReport",
@@ -37,6 +38,15 @@ __all__ = [
 
 class MemlabWarning(UserWarning):
     """Warnings memlab itself raises."""
+
+
+def __getattr__(name: str) -> Any:
+    # The panel needs ipywidgets and matplotlib: imported when first asked for, not with memlab.
+    if name == "Explorer":
+        from memlab.whatif.panel import Explorer
+
+        return Explorer
+    raise AttributeError(f"module 'memlab' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -168,3 +168,27 @@ def test_graph_bytes_against_the_allocators_growth_over_the_forward() -> None:
     # rounded up by the allocator (512 B blocks): the graph accounts for all of it.
     assert g.activation_bytes + output <= growth <= g.activation_bytes + output + 1024**2
     print(f"graph {g.activation_bytes:,} B + output {output:,} B; allocator peak +{growth:,} B")
+
+
+def test_whatif_oom_is_a_result_and_memory_returns_to_the_byte() -> None:
+    from memlab.whatif import RunConfig, run
+
+    width = 4096
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    free, _ = torch.cuda.mem_get_info()
+    huge = int(2 * free // (width * 4))  # the input alone is twice the free memory
+
+    def model_fn() -> torch.nn.Module:
+        return torch.nn.Linear(width, width).cuda()
+
+    def input_fn(batch: int) -> torch.Tensor:
+        return torch.randn(batch, width, device="cuda")
+
+    r = run(model_fn, input_fn, None, RunConfig(device="cuda", batch_size=huge))
+    assert r.oom and r.error is not None and "CUDA out of memory" in r.error
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before  # nothing of the failed run is left
+    ok = run(model_fn, input_fn, None, RunConfig(device="cuda", batch_size=64))
+    assert not ok.oom and ok.report is not None and ok.report.source == "cuda-allocator"

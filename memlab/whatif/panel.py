@@ -1,0 +1,258 @@
+"""The what-if panel: controls over the runner, a table and charts that compare the runs.
+
+``Explorer(model_fn, input_fn, loss_fn)`` shows itself in a notebook. ``explorer.run()`` and
+``explorer.largest_batch()`` are what the buttons call, so programs and tests drive the same path;
+``explorer.results`` holds every run.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from html import escape
+from typing import Any, TypeVar
+
+import ipywidgets as w
+
+from memlab.core.categories import Category
+from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.whatif.config import AMP, MODES, OPTIMIZERS, RETENTION, RunConfig, WhatIfError
+from memlab.whatif.runner import InputFn, LossFn, ModelFn, RunResult, run
+
+T = TypeVar("T")
+MiB = 1024**2
+#: The largest batch the search tries.
+MAX_BATCH = 1 << 16
+_COLOURS = {
+    Category.PARAMETER: "#1f4e79",
+    Category.BUFFER: "#5b9bd5",
+    Category.OPTIMIZER_STATE: "#7030a0",
+    Category.GRADIENT: "#c55a11",
+    Category.INPUT: "#70ad47",
+    Category.ACTIVATION: "#e8a33d",
+    Category.TEMPORARY: "#bfbfbf",
+    Category.OTHER: "#7f7f7f",
+    Category.UNATTRIBUTED: "#d9d9d9",
+}
+
+
+class Explorer:
+    def __init__(
+        self,
+        model_fn: ModelFn,
+        input_fn: InputFn,
+        loss_fn: LossFn | None = None,
+        *,
+        config: RunConfig | None = None,
+    ) -> None:
+        self.model_fn, self.input_fn, self.loss_fn = model_fn, input_fn, loss_fn
+        self.results: list[RunResult] = []
+        c = config or RunConfig()
+        self._base = c
+        style = {"description_width": "110px"}
+        self.amp = w.ToggleButtons(options=AMP, value=c.amp, description="AMP", style=style)
+        self.checkpoint = w.ToggleButtons(
+            options=("off", "auto"),
+            value=c.checkpoint if isinstance(c.checkpoint, str) else "off",
+            description="checkpointing",
+            style=style,
+        )
+        self.mode = w.ToggleButtons(options=MODES, value=c.mode, description="mode", style=style)
+        self.retention = w.ToggleButtons(
+            options=RETENTION, value=c.retention, description="keep outputs", style=style
+        )
+        self.batch_size = w.BoundedIntText(
+            value=c.batch_size, min=1, max=MAX_BATCH, description="batch size", style=style
+        )
+        self.accumulation = w.BoundedIntText(
+            value=c.accumulation, min=1, max=1024, description="accumulation", style=style
+        )
+        self.optimizer = w.Dropdown(
+            options=OPTIMIZERS, value=c.optimizer, description="optimizer", style=style
+        )
+        self.budget = w.BoundedFloatText(
+            value=(c.budget or 0) / MiB, min=0, max=1e9, description="budget (MiB)", style=style
+        )
+        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
+        self.fit_button = w.Button(description="Largest batch that fits", icon="search")
+        self.clear_button = w.Button(description="Clear", icon="trash")
+        self.run_button.on_click(lambda _: self.run())
+        self.fit_button.on_click(lambda _: self.largest_batch())
+        self.clear_button.on_click(lambda _: self.clear())
+        self.status = w.HTML()
+        self.table = w.HTML()
+        self.chart = w.Image(format="png")
+        self.timeline = w.Image(format="png")
+        self.widget = w.VBox(
+            [
+                w.HBox(
+                    [
+                        w.VBox([self.amp, self.checkpoint, self.mode, self.retention]),
+                        w.VBox([self.batch_size, self.accumulation, self.optimizer, self.budget]),
+                    ]
+                ),
+                w.HBox([self.run_button, self.fit_button, self.clear_button]),
+                self.status,
+                self.table,
+                w.HBox([self.chart, self.timeline]),
+            ]
+        )
+
+    # -- what the buttons do ----------------------------------------------------------------------
+    @property
+    def config(self) -> RunConfig:
+        """The configuration the controls describe (raises WhatIfError if it is not valid)."""
+        budget = int(self.budget.value * MiB) or None
+        return self._base.with_(
+            amp=self.amp.value,
+            checkpoint=self.checkpoint.value,
+            mode=self.mode.value,
+            retention=self.retention.value,
+            batch_size=int(self.batch_size.value),
+            accumulation=int(self.accumulation.value),
+            optimizer=self.optimizer.value,
+            budget=budget,
+        )
+
+    def run(self) -> RunResult | None:
+        """Run the current configuration, add it to the comparison, and redraw."""
+        result = self._attempt(lambda: run(self.model_fn, self.input_fn, self.loss_fn, self.config))
+        if result is not None:
+            self.results.append(result)
+            self._say(result.error or f"ran {escape(result.config.describe())}", bool(result.oom))
+            self._redraw()
+        return result
+
+    def largest_batch(self) -> int | None:
+        """The largest batch size whose step fits the budget (or the GPU's free memory), found by
+        doubling and then halving the interval; out-of-memory runs are expected along the way."""
+        config = self._attempt(lambda: self.config)
+        if config is None:
+            return None
+        if config.budget is None:
+            self._say("set a budget (MiB) first: the search needs a limit to fit under", True)
+            return None
+        step = config.accumulation
+
+        def fits(batch: int) -> bool:
+            # the same step as a run, warm-up included: with the optimizer's state already in
+            # place, a step peaks higher than the very first one
+            r = run(self.model_fn, self.input_fn, self.loss_fn, config.with_(batch_size=batch))
+            return not r.oom
+
+        def search() -> int:
+            lo, hi = 0, step
+            while hi <= MAX_BATCH and fits(hi):
+                lo, hi = hi, hi * 2
+            while hi - lo > step:  # lo fits (or is 0), hi does not
+                mid = (lo + hi) // 2 // step * step
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            return lo
+
+        best = self._attempt(search)
+        if best is None:
+            return None
+        if best == 0:
+            self._say(f"not even a batch of {step} fits in {fmt_bytes(config.budget)}", True)
+            return 0
+        self.batch_size.value = best
+        self.run()
+        self._say(f"largest batch that fits in {fmt_bytes(config.budget)}: {best}")
+        return best
+
+    def clear(self) -> None:
+        self.results.clear()
+        self._redraw()
+        self._say("cleared")
+
+    # -- display --------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _attempt(self, fn: Callable[[], T]) -> T | None:
+        try:
+            return fn()
+        except WhatIfError as e:
+            self._say(str(e), True)
+        except Exception as e:  # the panel stays usable whatever the user's code raises
+            self._say(f"{type(e).__name__}: {e}", True)
+        return None
+
+    def _say(self, text: str, problem: bool = False) -> None:
+        colour = "#b03a2e" if problem else "#555"
+        self.status.value = f'<div style="color:{colour};font-size:12px">{escape(text)}</div>'
+
+    def _redraw(self) -> None:
+        self.table.value = self._table_html()
+        done = [r for r in self.results if r.report is not None]
+        self.chart.value = _png(_bars(done)) if done else b""
+        latest = done[-1].report if done else None
+        timeline = latest is not None and latest.timeline is not None and len(latest.timeline)
+        self.timeline.value = _png(latest.plot()) if timeline and latest else b""
+
+    def _table_html(self) -> str:
+        if not self.results:
+            return ""
+        first = self.results[0].peak
+        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+        left = "padding:1px 8px;text-align:left"
+        rows = []
+        for i, r in enumerate(self.results, 1):
+            peak = r.peak
+            change = (
+                ""
+                if peak is None or first is None or i == 1
+                else fmt_bytes(peak - first, signed=True)
+            )
+            acts = (
+                r.report.breakdown.highest.get(Category.ACTIVATION, 0)
+                if r.report and r.report.breakdown
+                else 0
+            )
+            secs = fmt_seconds(r.report.seconds) if r.report else ""
+            flag = "out of memory" if r.oom else ""
+            rows.append(
+                f'<tr><td style="{cell}">{i}</td>'
+                f'<td style="{left}">{escape(r.config.describe())}</td>'
+                f'<td style="{cell}" title="{peak or 0:,} B">{fmt_bytes(peak)}</td>'
+                f'<td style="{cell}">{change}</td><td style="{cell}">{fmt_bytes(acts)}</td>'
+                f'<td style="{cell}">{secs}</td><td style="{left};color:#b03a2e">{flag}</td></tr>'
+            )
+        head = "".join(
+            f'<th style="{left}">{h}</th>'
+            for h in ("run", "configuration", "peak", "vs run 1", "activations", "time", "")
+        )
+        return (
+            f'<table class="memlab-runs" style="border-collapse:collapse;font-size:12px">'
+            f"<tr>{head}</tr>{''.join(rows)}</table>"
+        )
+
+
+def _bars(results: list[RunResult]) -> Any:
+    """Stacked bars: each run's bytes by category at its peak."""
+    import matplotlib.pyplot  # noqa: F401  (registers inline display)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5, 2.8), layout="constrained")
+    ax = fig.add_subplot()
+    xs = list(range(1, len(results) + 1))
+    bottom = [0.0] * len(results)
+    for c in Category:
+        values = [
+            (r.report.breakdown.at_peak.get(c, 0) if r.report and r.report.breakdown else 0) / MiB
+            for r in results
+        ]
+        if any(values):
+            ax.bar(xs, values, bottom=bottom, color=_COLOURS[c], label=c.value.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("run")
+    ax.set_ylabel("MiB at the peak")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
+    return fig
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()

@@ -1,0 +1,107 @@
+"""The what-if panel, driven from Python through the same path as its buttons."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import memlab
+from memlab.whatif import RunConfig, run
+
+WIDTH = 256
+
+
+def stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(8)])
+
+
+def inputs(batch: int) -> torch.Tensor:
+    return torch.randn(batch, WIDTH)
+
+
+BASE = RunConfig(device="cpu", batch_size=64)
+
+
+def explorer() -> memlab.Explorer:
+    return memlab.Explorer(stack, inputs, config=BASE)
+
+
+def test_runs_add_rows_and_redraw_the_charts() -> None:
+    ex = explorer()
+    first = ex.run()
+    assert first is not None and first.peak == run(stack, inputs, None, BASE).peak
+    ex.checkpoint.value = "auto"
+    ex.run_button.click()  # the button takes the same path
+    assert [r.config.describe() for r in ex.results] == [
+        "train, batch 64, adam",
+        "train, checkpoint auto, batch 64, adam",
+    ]
+    html = ex.table.value
+    assert html.count("<tr>") == 3 and "checkpoint auto" in html
+    assert ex.chart.value[:4] == b"\x89PNG" and ex.timeline.value[:4] == b"\x89PNG"
+
+
+def test_each_control_reaches_the_configuration() -> None:
+    ex = explorer()
+    ex.amp.value, ex.mode.value, ex.optimizer.value = "bf16", "no_grad", "sgd"
+    ex.batch_size.value, ex.budget.value = 32, 100.0
+    c = ex.config
+    assert (c.amp, c.mode, c.optimizer, c.batch_size, c.budget) == (
+        "bf16",
+        "no_grad",
+        "sgd",
+        32,
+        100 * 1024**2,
+    )
+    ex.mode.value, ex.retention.value = "train", "attached"
+    r = ex.run()
+    assert r is not None and len(r.series) == BASE.iterations
+
+
+def test_errors_show_in_one_line_and_the_panel_keeps_working() -> None:
+    ex = explorer()
+    ex.accumulation.value = 3  # 64 does not split into 3
+    assert ex.run() is None and "divisible" in ex.status.value and not ex.results
+    ex.accumulation.value = 4
+    assert ex.run() is not None and len(ex.results) == 1
+    broken = memlab.Explorer(lambda: 1 / 0, inputs, config=BASE)
+    broken.run_button.click()
+    assert "model_fn raised ZeroDivisionError" in broken.status.value and not broken.results
+
+
+def test_largest_batch_that_fits_the_budget() -> None:
+    ex = explorer()
+    ex.budget.value = 12.0  # MiB
+    best = ex.largest_batch()
+    assert best is not None and best > 0 and ex.batch_size.value == best
+    budget = 12 * 1024**2
+    assert not run(stack, inputs, None, BASE.with_(batch_size=best, budget=budget)).oom
+    assert run(stack, inputs, None, BASE.with_(batch_size=best + 1, budget=budget)).oom
+    assert ex.results[-1].config.batch_size == best  # the winning run joins the comparison
+
+
+def test_largest_batch_needs_a_budget() -> None:
+    ex = explorer()
+    assert ex.largest_batch() is None and "set a budget" in ex.status.value
+
+
+def test_clear_and_display() -> None:
+    ex = explorer()
+    ex.run()
+    ex.clear_button.click()
+    assert not ex.results and ex.table.value == ""
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_import_memlab_stays_light_until_the_panel_is_asked_for() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memlab; before = 'ipywidgets' in sys.modules; memlab.Explorer; "
+        "print(before, 'ipywidgets' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False True"
