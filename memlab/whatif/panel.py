@@ -73,9 +73,12 @@ class Explorer:
         self.budget = w.BoundedFloatText(
             value=(c.budget or 0) / MiB, min=0, max=1e9, description="budget (MiB)", style=style
         )
-        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
-        self.fit_button = w.Button(description="Largest batch that fits", icon="search")
-        self.clear_button = w.Button(description="Clear", icon="trash")
+        fit = w.Layout(width="auto")  # buttons as wide as their labels
+        self.run_button = w.Button(
+            description="Run", button_style="primary", icon="play", layout=fit
+        )
+        self.fit_button = w.Button(description="Largest batch that fits", icon="search", layout=fit)
+        self.clear_button = w.Button(description="Clear", icon="trash", layout=fit)
         self.run_button.on_click(lambda _: self.run())
         self.fit_button.on_click(lambda _: self.largest_batch())
         self.clear_button.on_click(lambda _: self.clear())
