@@ -192,3 +192,17 @@ def test_whatif_oom_is_a_result_and_memory_returns_to_the_byte() -> None:
     assert torch.cuda.memory_allocated() == before  # nothing of the failed run is left
     ok = run(model_fn, input_fn, None, RunConfig(device="cuda", batch_size=64))
     assert not ok.oom and ok.report is not None and ok.report.source == "cuda-allocator"
+
+
+def test_panel_largest_batch_uses_free_gpu_memory_without_a_budget() -> None:
+    from memlab.whatif import RunConfig
+
+    def model_fn() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU()).cuda()
+
+    ex = memlab.Explorer(
+        model_fn, lambda b: torch.randn(b, 4096, device="cuda"), config=RunConfig(device="cuda")
+    )
+    best = ex.largest_batch()
+    assert best is not None and best > 1024  # 80 GB hold far more than a thousand rows
+    assert not ex.results[-1].oom

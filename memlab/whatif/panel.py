@@ -133,8 +133,11 @@ class Explorer:
         if config is None:
             return None
         if config.budget is None:
-            self._say("set a budget (MiB) first: the search needs a limit to fit under", True)
-            return None
+            limit = _device_limit(config)
+            if limit is None:
+                self._say("set a budget (MiB) first: the search needs a limit to fit under", True)
+                return None
+            config = config.with_(budget=limit)
         step = config.accumulation
 
         def fits(batch: int) -> bool:
@@ -229,6 +232,17 @@ class Explorer:
             f'<table class="memlab-runs" style="border-collapse:collapse;font-size:12px">'
             f"<tr>{head}</tr>{''.join(rows)}</table>"
         )
+
+
+def _device_limit(config: RunConfig) -> int | None:
+    """On a GPU without a budget: what is allocated now plus what the driver has free."""
+    import torch
+
+    if not torch.cuda.is_available() or not (config.device or "cuda").startswith("cuda"):
+        return None
+    device = torch.device(config.device or "cuda")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_allocated(device))
 
 
 def _bars(results: list[RunResult]) -> Any:
