@@ -7,6 +7,23 @@ import torch
 from torch import nn
 
 
+def _stem() -> list[nn.Module]:
+    """ResNet's stem: a 7x7 stride-2 convolution, batch norm, ReLU, a stride-2 max pool."""
+    return [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+
+
+def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
+    """The residual path: identity, or a 1x1 convolution where the shape changes."""
+    if stride == 1 and cin == cout:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
@@ -14,11 +31,7 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.down: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+        self.down = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -27,12 +40,7 @@ class BasicBlock(nn.Module):
 
 def resnet18(num_classes: int = 1000) -> nn.Module:
     """The ResNet-18 layout: 11.7 M parameters."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
-        nn.BatchNorm2d(64),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, 1),
-    ]
+    layers = _stem()
     cin = 64
     for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
         layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
@@ -55,11 +63,7 @@ class Bottleneck(nn.Module):
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(cout)
-        self.down: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+        self.down = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -69,12 +73,7 @@ class Bottleneck(nn.Module):
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
     """The ResNet-50 layout: 25.6 M parameters."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
-        nn.BatchNorm2d(64),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, 1),
-    ]
+    layers = _stem()
     cin = 64
     for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
         for b in range(blocks):

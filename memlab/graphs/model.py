@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from memlab.reports.html import num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes
 
 #: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
@@ -114,20 +115,15 @@ class Graph:
         return GraphView(self, depth)
 
     def table_html(self, k: int = 10) -> str:
-        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
-        left = "padding:1px 8px;text-align:left"
-        rows = "".join(
-            f'<tr><td style="{left}">{escape(n.op)}</td><td style="{left}">'
-            f"{escape(n.module or '(top level)')}</td>"
-            f'<td style="{cell}" title="{n.bytes:,} B">{fmt_bytes(n.bytes)}</td></tr>'
+        rows = [
+            text_cell(n.op) + text_cell(n.module or "(top level)") + num_cell(n.bytes)
             for n in self.heaviest(k)
-        )
+        ]
         return (
             f'<div style="font-family:system-ui,sans-serif;font-size:12px"><b>'
             f"{fmt_bytes(self.activation_bytes)} saved for backward</b> in {len(self.nodes)} "
             f"nodes (parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)})"
-            f'<table style="border-collapse:collapse"><tr><th style="{left}">heaviest node</th>'
-            f'<th style="{left}">module</th><th style="{cell}">saved</th></tr>{rows}</table></div>'
+            f"{table(['heaviest node', 'module', 'saved'], rows, 'memlab-graph-table')}</div>"
         )
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:

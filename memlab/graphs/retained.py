@@ -20,6 +20,7 @@ import torch
 
 from memlab.core.autograd import iter_nodes
 from memlab.graphs.saved import GraphFreedError, saved_tensors
+from memlab.reports.html import CELL, LEFT, num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes
 
 MAX_ITEMS = 10_000
@@ -91,23 +92,19 @@ class RetainedReport:
     def _repr_html_(self) -> str:
         if not self.items:
             return f"<div>{escape(str(self))}</div>"
-        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
-        left = "padding:1px 8px;text-align:left"
-        rows = "".join(
-            f'<tr><td style="{left}"><code>{escape(i.name)}</code></td>'
-            f'<td style="{cell};font-weight:600;color:#b03a2e" title="{i.bytes:,} B">'
-            f'{fmt_bytes(i.bytes)}</td><td style="{cell}">{i.tensors}</td>'
-            f'<td style="{cell}">{i.nodes}</td><td style="{left}">{escape(i.fix)}</td></tr>'
+        rows = [
+            f'<td style="{LEFT}"><code>{escape(i.name)}</code></td>'
+            + num_cell(i.bytes, colour=True)
+            + text_cell(str(i.tensors), CELL)
+            + text_cell(str(i.nodes), CELL)
+            + text_cell(i.fix)
             for i in self.items
-        )
-        head = "".join(
-            f'<th style="{left}">{h}</th>'
-            for h in ("variable", "kept alive", "tensors", "graph nodes", "fix")
-        )
+        ]
+        head = ["variable", "kept alive", "tensors", "graph nodes", "fix"]
         return (
             '<div class="memlab-retained" style="font-family:system-ui,sans-serif;font-size:12px">'
             f"<b>memlab: {fmt_bytes(self.total)} kept alive by autograd graphs</b>"
-            f'<table style="border-collapse:collapse"><tr>{head}</tr>{rows}</table></div>'
+            f"{table(head, rows, 'memlab-retained-table')}</div>"
         )
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
-from html import escape
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from memlab.reports.html import CELL, num_cell, table, text_cell
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
@@ -88,29 +88,18 @@ class History:
     def _repr_html_(self) -> str:
         if not self.entries:
             return "<div>memlab history: no tracked cells yet.</div>"
-        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
-        rows = []
-        for e in self.entries:
-            delta = e.after - e.before
-            colour = "#b03a2e" if delta > 0 else "#1e8449" if delta < 0 else "#7f8c8d"
-            rows.append(
-                f'<tr><td style="{cell};text-align:left">{escape(e.name)}</td>'
-                f'<td style="{cell};text-align:left">'
-                f"{escape(e.device)}</td>"
-                f'<td style="{cell}" title="{e.after:,} B">{fmt_bytes(e.after)}</td>'
-                f'<td style="{cell};color:{colour};font-weight:600" title="{delta:,} B">'
-                f"{fmt_bytes(delta, signed=True)}</td>"
-                f'<td style="{cell}" title="{e.peak:,} B">{fmt_bytes(e.peak)}</td>'
-                f'<td style="{cell}">{fmt_seconds(e.seconds)}</td>'
-                f'<td style="{cell}">{escape(e.raised or "")}</td></tr>'
-            )
-        head = "".join(
-            f'<th style="{cell}">{h}</th>'
-            for h in ("cell", "device", "allocated after", "change", "peak", "time", "raised")
-        )
+        rows = [
+            text_cell(e.name)
+            + text_cell(e.device)
+            + num_cell(e.after)
+            + num_cell(e.after - e.before, signed=True, colour=True)
+            + num_cell(e.peak)
+            + text_cell(fmt_seconds(e.seconds), CELL)
+            + text_cell(e.raised or "")
+            for e in self.entries
+        ]
+        head = ["cell", "device", "allocated after", "change", "peak", "time", "raised"]
         return (
             '<div class="memlab-history" style="font-family:system-ui,sans-serif;font-size:12px">'
-            f'<b>memlab history</b><table style="border-collapse:collapse"><tr>{head}</tr>'
-            + "".join(rows)
-            + "</table></div>"
+            f"<b>memlab history</b>{table(head, rows, 'memlab-history-table')}</div>"
         )

@@ -12,19 +12,36 @@ from memlab.reports.layout import layout
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
 
-_GROW, _SHRINK, _FLAT = "#b03a2e", "#1e8449", "#7f8c8d"
-_CELL = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
-_HEAD = "padding:1px 8px;text-align:right;font-weight:600;color:#555"
-_NAME = "padding:1px 8px 1px 0;text-align:left"  # explicit: JupyterLab right-aligns table cells
+GROW, SHRINK, FLAT = "#b03a2e", "#1e8449", "#7f8c8d"
+#: Cell styles shared by every memlab table. Explicit alignment: JupyterLab right-aligns cells.
+CELL = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
+HEAD = "padding:1px 8px;text-align:right;font-weight:600;color:#555"
+NAME = "padding:1px 8px 1px 0;text-align:left"
+LEFT = "padding:1px 8px;text-align:left"
 
 
-def _num(n: int | None, signed: bool = False, colour: bool = False) -> str:
+def num_cell(n: int | None, signed: bool = False, colour: bool = False) -> str:
+    """A byte count in human units, the exact bytes on hover; growth in red, shrinking in green."""
     if n is None:
-        return f'<td style="{_CELL};color:{_FLAT}">n/a</td>'
-    style = _CELL
+        return f'<td style="{CELL};color:{FLAT}">n/a</td>'
+    style = CELL
     if colour:
-        style += f";font-weight:600;color:{_GROW if n > 0 else _SHRINK if n < 0 else _FLAT}"
+        style += f";font-weight:600;color:{GROW if n > 0 else SHRINK if n < 0 else FLAT}"
     return f'<td style="{style}" title="{n:,} B">{escape(fmt_bytes(n, signed=signed))}</td>'
+
+
+def text_cell(text: str, style: str = LEFT) -> str:
+    return f'<td style="{style}">{escape(text)}</td>'
+
+
+def table(head: list[str], rows: list[str], cls: str) -> str:
+    """A compact table: ``rows`` are ``<td>`` strings (one string per row)."""
+    th = "".join(f'<th style="{LEFT}">{escape(h)}</th>' for h in head)
+    body = "".join(f"<tr>{r}</tr>" for r in rows)
+    return (
+        f'<table class="{cls}" style="border-collapse:collapse;font-size:12px">'
+        f"<tr>{th}</tr>{body}</table>"
+    )
 
 
 def render_html(r: MemoryReport) -> str:
@@ -37,34 +54,34 @@ def render_html(r: MemoryReport) -> str:
         '<table style="border-collapse:collapse;margin:2px 0">',
         "<tr><th></th>"
         + "".join(
-            f'<th style="{_HEAD}">{h}</th>'
+            f'<th style="{HEAD}">{h}</th>'
             for h in ("before", "after", "change", "peak", "peak − before")
         )
         + "</tr>",
     ]
     for row in lay.rows:
         out.append(
-            f'<tr><td style="{_NAME};font-weight:600">{row.name}</td>'
-            + _num(row.before)
-            + _num(row.after)
-            + _num(row.delta, signed=True, colour=True)
-            + _num(row.peak)
-            + _num(row.peak_delta, signed=True, colour=True)
+            f'<tr><td style="{NAME};font-weight:600">{row.name}</td>'
+            + num_cell(row.before)
+            + num_cell(row.after)
+            + num_cell(row.delta, signed=True, colour=True)
+            + num_cell(row.peak)
+            + num_cell(row.peak_delta, signed=True, colour=True)
             + "</tr>"
         )
     out.append("</table>")
     if lay.categories:
         out.append(
             '<table style="border-collapse:collapse;margin:2px 0">'
-            f'<tr><th style="{_HEAD};text-align:left">category</th>'
-            f'<th style="{_HEAD}">at peak</th><th style="{_HEAD}">at end</th></tr>'
+            f'<tr><th style="{HEAD};text-align:left">category</th>'
+            f'<th style="{HEAD}">at peak</th><th style="{HEAD}">at end</th></tr>'
         )
         for c in lay.categories:
             out.append(
-                f'<tr><td style="{_NAME}" title="{escape(c.description)}">'
+                f'<tr><td style="{NAME}" title="{escape(c.description)}">'
                 f"{escape(c.category.value.replace('_', ' '))}</td>"
-                + _num(c.at_peak)
-                + _num(c.at_end)
+                + num_cell(c.at_peak)
+                + num_cell(c.at_end)
                 + "</tr>"
             )
         out.append("</table>")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import ipywidgets as w
 
 from memlab.core.categories import Category
+from memlab.reports.html import CELL, GROW, LEFT, num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes, fmt_seconds
 from memlab.whatif.config import AMP, MODES, OPTIMIZERS, RETENTION, RunConfig, WhatIfError
 from memlab.whatif.runner import InputFn, LossFn, ModelFn, RunResult, run
@@ -200,38 +201,27 @@ class Explorer:
         if not self.results:
             return ""
         first = self.results[0].peak
-        cell = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"
-        left = "padding:1px 8px;text-align:left"
         rows = []
         for i, r in enumerate(self.results, 1):
             peak = r.peak
-            change = (
-                ""
-                if peak is None or first is None or i == 1
-                else fmt_bytes(peak - first, signed=True)
-            )
-            acts = (
-                r.report.breakdown.highest.get(Category.ACTIVATION, 0)
-                if r.report and r.report.breakdown
-                else 0
-            )
-            secs = fmt_seconds(r.report.seconds) if r.report else ""
-            flag = "out of memory" if r.oom else ""
+            change = None if peak is None or first is None or i == 1 else peak - first
+            breakdown = r.report.breakdown if r.report else None
+            acts = breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0
             rows.append(
-                f'<tr><td style="{cell}">{i}</td>'
-                f'<td style="{left}">{escape(r.config.describe())}</td>'
-                f'<td style="{cell}" title="{peak or 0:,} B">{fmt_bytes(peak)}</td>'
-                f'<td style="{cell}">{change}</td><td style="{cell}">{fmt_bytes(acts)}</td>'
-                f'<td style="{cell}">{secs}</td><td style="{left};color:#b03a2e">{flag}</td></tr>'
+                text_cell(str(i), CELL)
+                + text_cell(r.config.describe())
+                + num_cell(peak)
+                + (
+                    num_cell(change, signed=True, colour=True)
+                    if change is not None
+                    else text_cell("")
+                )
+                + num_cell(acts)
+                + text_cell(fmt_seconds(r.report.seconds) if r.report else "", CELL)
+                + text_cell("out of memory" if r.oom else "", f"{LEFT};color:{GROW}")
             )
-        head = "".join(
-            f'<th style="{left}">{h}</th>'
-            for h in ("run", "configuration", "peak", "vs run 1", "activations", "time", "")
-        )
-        return (
-            f'<table class="memlab-runs" style="border-collapse:collapse;font-size:12px">'
-            f"<tr>{head}</tr>{''.join(rows)}</table>"
-        )
+        head = ["run", "configuration", "peak", "vs run 1", "activations", "time", ""]
+        return table(head, rows, "memlab-runs")
 
 
 def _device_limit(config: RunConfig) -> int | None:
