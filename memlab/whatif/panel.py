@@ -18,7 +18,7 @@ from memlab.core.categories import Category
 from memlab.reports.html import CELL, GROW, LEFT, num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes, fmt_seconds
 from memlab.whatif.config import AMP, MODES, OPTIMIZERS, RETENTION, RunConfig, WhatIfError
-from memlab.whatif.runner import InputFn, LossFn, ModelFn, RunResult, run
+from memlab.whatif.runner import InputFn, LossFn, ModelFn, RunResult, resolve_device, run
 
 T = TypeVar("T")
 MiB = 1024**2
@@ -134,11 +134,14 @@ class Explorer:
         if config is None:
             return None
         if config.budget is None:
-            limit = _device_limit(config)
-            if limit is None:
+            chosen = config  # narrowed to RunConfig, and never reassigned
+            found = self._attempt(lambda: (_device_limit(chosen),))
+            if found is None:  # the device was bad: the status says why
+                return None
+            if found[0] is None:
                 self._say("set a budget (MiB) first: the search needs a limit to fit under", True)
                 return None
-            config = config.with_(budget=limit)
+            config = config.with_(budget=found[0])
         step = config.accumulation
 
         def fits(batch: int) -> bool:
@@ -228,9 +231,11 @@ def _device_limit(config: RunConfig) -> int | None:
     """On a GPU without a budget: what is allocated now plus what the driver has free."""
     import torch
 
-    if not torch.cuda.is_available() or not (config.device or "cuda").startswith("cuda"):
+    device = resolve_device(
+        config.device
+    )  # raises WhatIfError for a bad device, shown in the panel
+    if device.type != "cuda":
         return None
-    device = torch.device(config.device or "cuda")
     free, _ = torch.cuda.mem_get_info(device)
     return int(free + torch.cuda.memory_allocated(device))
 

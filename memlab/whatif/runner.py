@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memlab.core.categories import Category
-from memlab.core.ledger import default_ledger
+from memlab.core.devices import DeviceError, resolve
+from memlab.core.ledger import default_ledger, device_key
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.whatif.config import RunConfig, WhatIfError
@@ -63,7 +64,7 @@ def run(
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
     """
     config = config or RunConfig()
-    device = _device(config.device)
+    device = resolve_device(config.device)
     model = _call("model_fn", model_fn)
     if not isinstance(model, nn.Module):
         raise WhatIfError(f"model_fn must return a torch.nn.Module, not {type(model).__name__}.")
@@ -78,10 +79,10 @@ def run(
         opt = _optimizer(model, config) if training else None
         scaler = torch.amp.GradScaler(device.type) if training and config.amp == "fp16" else None
         step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler)
+        region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
                 step(lambda t: None)
-            region = track(device, breakdown=True, timeline=True, watch=[model])
             with region:
                 kept, series = step(lambda t: region.mark(t, Category.INPUT))
             del kept
@@ -89,7 +90,10 @@ def run(
             traceback.clear_frames(e.__traceback__)  # the frames hold the step's tensors
             message = str(e).splitlines()[0]
             del e
-            report = region.report if "region" in locals() and region._state == "closed" else None
+            try:  # an OOM in the measured step still has its report; one in the warm-up has none
+                report: MemoryReport | None = region.report
+            except RuntimeError:
+                report = None
             return RunResult(config, report, oom=True, error=f"CUDA out of memory: {message}")
     report = region.report
     over = config.budget is not None and report.peak_allocated > config.budget
@@ -191,19 +195,15 @@ def _allocated(device: torch.device) -> int:
 
 
 # -- set-up and restoring -----------------------------------------------------------------------
-def _device(spec: str | None) -> torch.device:
-    if spec is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+def resolve_device(spec: str | None) -> torch.device:
+    """One device, resolved and checked by the core (``None``: the current GPU, else the CPU)."""
     try:
-        dev = torch.device(spec)
-    except RuntimeError as e:
-        raise WhatIfError(f"{spec!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'.") from e
-    index: int | None = dev.index  # None for a bare "cuda" (torch's stubs say int)
-    if dev.type == "cuda" and index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+        targets = resolve(spec)
+    except DeviceError as e:
+        raise WhatIfError(str(e)) from e
+    if len(targets) != 1:
+        raise WhatIfError(f"a run uses one device, not {spec!r}: name one, e.g. 'cuda:0'.")
+    return torch.device(targets[0].name)
 
 
 def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -219,14 +219,10 @@ def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def _check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:
     for t in tensors:
-        dev = t.device
-        index: int | None = dev.index
-        if dev.type == "cuda" and index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev != device:
+        if device_key(t.device) != device_key(device):
             raise WhatIfError(
-                f"{what} is on {dev}, but the run is on {device}: create it on {device}, "
-                "or choose that device for the run."
+                f"{what} is on {device_key(t.device)}, but the run is on {device}: create it on "
+                f"{device}, or choose that device for the run."
             )
 
 
