@@ -98,22 +98,21 @@ class GpumemMagics(Magics):
         return None
 
     def _region(self, opts: Options) -> track:
+        ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
         try:
-            region = track(
+            return track(
                 opts.device,
                 breakdown=opts.breakdown,
                 timeline=opts.timeline,
                 reset_peak=opts.reset,
                 driver=opts.driver,
                 label=opts.label,
+                # scanned only when the region runs tensor accounting (CPU, or a breakdown)
+                watch=lambda: watchable(ns, hidden),
                 ledger=default_ledger(),
             )
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
-        if opts.breakdown or any(not t.is_cuda for t in region.targets):
-            ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
-            region._watch = lambda: watchable(ns, hidden)
-        return region
 
     def _publish(self, region: track, opts: Options) -> None:
         try:
