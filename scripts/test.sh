@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # The whole test suite: lint (ruff), types (mypy), unit tests, the magics in a real IPython shell,
-# and every notebook executed. Tests marked `cuda` run where a GPU is present and are reported as
-# skipped elsewhere. Extra arguments go to pytest.
+# every notebook executed, and the browser tests (a real JupyterLab in headless Chromium). Tests
+# marked `cuda` run where a GPU is present and are reported as skipped elsewhere. Extra arguments
+# go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
+# The browser tests drive Debian's Chromium (tests/test_browser.py); as root, install it here.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "memlab tests: installing chromium (for the browser tests)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "memlab tests: /usr/bin/chromium is missing, so the browser tests will fail." \
+         "Install Debian's chromium package (apt-get install chromium)." >&2
+  fi
+fi
 exec "$MEMLAB_PY" -m pytest "$@"

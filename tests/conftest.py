@@ -18,6 +18,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="rewrite tests/golden/* from the current output (review the diff before committing)",
     )
+    parser.addoption(
+        "--update-screenshots",
+        action="store_true",
+        help="copy the browser tests' screenshots to docs/screenshots/ (the README shows them)",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the test item, so fixtures can tell a failed test at teardown
+    (the browser tests save a screenshot and the server log then)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,217 @@
+"""A real JupyterLab server and a headless Chromium page that drives it, for the browser tests.
+
+`LabServer` starts ``jupyter lab`` from this environment on 127.0.0.1 with its own config, runtime,
+settings and workspace folders, so nothing of the user's setup leaks in and nothing is left
+behind. `Notebook` wraps a Playwright page showing one notebook: run all cells or one cell, wait
+for the kernel, read outputs, click widgets. Selectors are JupyterLab 4's and ipywidgets 8's
+stable class names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TOKEN = "memlab-browser-tests"
+CHROMIUM = "/usr/bin/chromium"
+#: Keep Chromium off the network (this machine's is closed) and quiet.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+#: A code cell is finished when its prompt carries its execution count.
+DONE_PROMPT = re.compile(r"^\[\d+\]:$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.25) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+class LabServer:
+    """``jupyter lab`` serving ``root``, with every Jupyter folder under ``home``."""
+
+    def __init__(self, root: Path, home: Path) -> None:
+        self.root, self.home = root, home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = home / "jupyterlab.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 90) -> None:
+        settings = self.home / "settings"
+        # No "get Jupyter news?" toast over the page; every cell in the DOM (no virtual scrolling),
+        # so a test can read any cell without scrolling to it first.
+        for plugin, values in {
+            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"},
+            "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        }.items():
+            package, name = plugin.rsplit("/", 1)
+            folder = settings / package
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
+        env = {
+            **os.environ,
+            "JUPYTER_CONFIG_DIR": str(self.home / "config"),
+            "JUPYTER_RUNTIME_DIR": str(self.home / "runtime"),
+            "JUPYTER_DATA_DIR": str(self.home / "data"),
+            "JUPYTERLAB_SETTINGS_DIR": str(settings),
+            "JUPYTERLAB_WORKSPACES_DIR": str(self.home / "workspaces"),
+            "IPYTHONDIR": str(self.home / "ipython"),
+            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        }
+        cmd = [
+            sys.executable, "-m", "jupyter", "lab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            f"--ServerApp.token={TOKEN}",
+            f"--ServerApp.root_dir={self.root}",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]  # fmt: skip
+        if os.getuid() == 0:
+            cmd.append("--allow-root")
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for("JupyterLab to answer", self._answers, timeout, poll=0.5)
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited early:\n{self.log()}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/status?token={TOKEN}", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def log(self, tail: int = 8000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down first
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def shutdown_kernels(self) -> None:
+        """Stop every kernel, so the next notebook starts on a quiet machine."""
+        req = urllib.request.Request(f"{self.url}/api/kernels?token={TOKEN}")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            kernels = json.load(r)
+        for k in kernels:
+            url = f"{self.url}/api/kernels/{k['id']}?token={TOKEN}"
+            urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=10)
+
+
+class Notebook:
+    """One notebook open in JupyterLab, in a Playwright page."""
+
+    def __init__(self, page: Any, server: LabServer, name: str) -> None:
+        self.page, self.server, self.name = page, server, name
+        #: The notebook on show (other documents' panels are hidden, not removed).
+        self.root = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+
+    def open(self, timeout: float = 90) -> Notebook:
+        # ?reset: a fresh workspace, so notebooks opened by earlier pages do not come back as tabs
+        self.page.goto(f"{self.server.url}/lab/tree/{self.name}?reset&token={TOKEN}")
+        self.root.locator(".jp-Cell").first.wait_for(timeout=timeout * 1000)
+        # The toolbar says idle before the kernel exists: wait for the status bar to name it.
+        wait_for("the kernel to start", lambda: self.kernel_status() == "Idle", timeout)
+        return self
+
+    def kernel_status(self) -> str:
+        text = self.page.inner_text("#jp-main-statusbar")
+        found = re.search(r"\|\s*(Idle|Busy|Starting|Restarting|Unknown|Connecting)", text)
+        return found.group(1) if found else ""
+
+    # -- running ----------------------------------------------------------------------------------
+    def prompts(self) -> list[str]:
+        return [
+            p.strip() for p in self.root.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        ]
+
+    def run_all(self, timeout: float = 120) -> None:
+        self.page.locator(".lm-MenuBar-itemLabel").get_by_text("Run", exact=True).click()
+        self.page.locator('[data-command="runmenu:run-all"]').click()
+        self.wait_until_done(timeout)
+
+    def run_cell(self, index: int, timeout: float = 120) -> None:
+        """Run the code cell at ``index`` (0-based among code cells) with Shift+Enter."""
+        cell = self.cell(index)
+        before = self.prompts()[index]
+        cell.locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Shift+Enter")
+        wait_for(
+            f"code cell {index} to run",
+            lambda: self.prompts()[index] != before and DONE_PROMPT.match(self.prompts()[index]),
+            timeout,
+        )
+        wait_for("the kernel to go idle", lambda: self.kernel_status() == "Idle", timeout)
+
+    def wait_until_done(self, timeout: float) -> None:
+        """Until every code cell has run, or the run stopped at an error; the kernel idle."""
+
+        def done() -> bool:
+            prompts = self.prompts()
+            if any("*" in p for p in prompts) or self.kernel_status() != "Idle":
+                return False
+            return all(DONE_PROMPT.match(p) for p in prompts) or bool(self.errors())
+
+        wait_for(f"{self.name} to finish running", done, timeout)
+        # Outputs can land just after the prompt changes: read them once the page is still.
+        time.sleep(0.3)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def cell(self, index: int) -> Any:
+        return self.root.locator(".jp-CodeCell").nth(index)
+
+    def output_text(self, index: int) -> str:
+        return str(self.cell(index).locator(".jp-OutputArea").inner_text())
+
+    def errors(self) -> list[str]:
+        """Tracebacks shown in any output area (JupyterLab renders errors as stderr text)."""
+        error = re.compile(r"Traceback|^\w+(Error|Exception)\b", re.M)
+        return [t for t in self.stderr() if error.search(t)]
+
+    def stderr(self) -> list[str]:
+        """Everything shown as stderr: errors, warnings and anything printed to sys.stderr."""
+        return list(
+            self.root.locator(
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            ).all_inner_texts()
+        )

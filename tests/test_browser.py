@@ -1,0 +1,340 @@
+"""memlab as a user sees it: a real JupyterLab, driven in headless Chromium.
+
+One JupyterLab server serves a temporary folder holding small notebooks written here and copies
+of every notebook in notebooks/ (outputs stripped). Each test opens a notebook in a fresh page,
+runs cells the way a user does (Run All, Shift+Enter, clicking widgets) and checks what the page
+shows. On failure a screenshot and the server's log land in tests/artifacts/browser/ and the log's
+tail is printed; on success a few screenshots land there too (``--update-screenshots`` copies
+them to docs/screenshots/, which the README shows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from jupyterlab_driver import CHROMIUM, CHROMIUM_ARGS, LabServer, Notebook, wait_for
+
+ROOT = Path(__file__).parent.parent
+ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+COURSE = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def notebook(path: Path, *cells: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = spec
+    nbformat.write(nb, path)
+
+
+# -- the notebooks the tests drive ---------------------------------------------------------------
+MAGIC = (
+    "%load_ext memlab\nimport torch",
+    "%%gpumem -o rep four million bytes\n"
+    "x = torch.empty(1000, 1000)\n"
+    'print("the cell\'s own output")\n'
+    "x.shape",
+    '%%gpumem\ny = torch.ones(10)\nraise ValueError("boom from the cell")',
+    "%gpumem_history",
+)
+
+PANEL = (
+    """%load_ext memlab
+import json
+import torch
+from torch import nn
+import memlab
+from memlab.whatif import RunConfig, run
+
+def model_fn():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)])
+
+def input_fn(batch):
+    if batch == 3:
+        raise ValueError("this input_fn refuses a batch of 3")
+    return torch.randn(batch, 256)
+
+explorer = memlab.Explorer(model_fn, input_fn, config=RunConfig(device="cpu", batch_size=16))
+explorer""",
+    # what the same configurations give through the Python API, for the test to compare
+    """base = RunConfig(device="cpu", batch_size=16)
+changes = [{}, {"amp": "bf16", "checkpoint": "auto"}, {"retention": "detached"},
+           {"mode": "no_grad"}]
+print(json.dumps([run(model_fn, input_fn, None, base.with_(**c)).peak for c in changes]))""",
+)
+
+GRAPH = (
+    """%load_ext memlab
+import torch
+from torch import nn
+import memlab
+from memlab.reports.units import fmt_bytes
+
+torch.manual_seed(0)
+model = nn.Sequential(
+    nn.Sequential(nn.Linear(64, 128), nn.ReLU()),
+    nn.Sequential(nn.Linear(128, 128), nn.Tanh()),
+    nn.Linear(128, 10),
+)
+g = memlab.graph(model, torch.randn(32, 64))
+g""",
+    "g.view(depth=1)",
+    "import json\n"
+    "print(json.dumps({'nodes': [f'{n.op} {fmt_bytes(n.bytes)}' for n in g.nodes if n.bytes],\n"
+    "                  'modules': [[k, f\"{c} node{'s' * (c != 1)} · {fmt_bytes(b)}\"]\n"
+    "                              for k, (b, c) in g.by_module(1).items() if k]}))",
+)
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    root = tmp_path_factory.mktemp("lab-root")
+    notebook(root / "magic.ipynb", *MAGIC)
+    notebook(root / "panel.ipynb", *PANEL)
+    notebook(root / "graph.ipynb", *GRAPH)
+    for path in COURSE:  # the course, as a reader gets it before running anything
+        nb = nbformat.read(path, as_version=4)
+        for c in nb.cells:
+            if c.cell_type == "code":
+                c.outputs, c.execution_count = [], None
+        nbformat.write(nb, root / path.name)
+    for folder in ("solutions", "data"):
+        if (ROOT / "notebooks" / folder).is_dir():
+            shutil.copytree(ROOT / "notebooks" / folder, root / folder)
+    server = LabServer(root, tmp_path_factory.mktemp("lab-home"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
+            "scripts/test.sh does this when run as root"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium")),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 1000},
+        )
+        context.set_default_timeout(30_000)
+        yield context
+        context.close()
+
+
+@pytest.fixture
+def page(browser: Any, lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
+    page = browser.new_page()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+    yield page
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        name = re.sub(r"[^\w.-]+", "_", request.node.name)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / f"{name}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        (ARTIFACTS / f"{name}.server.log").write_text(lab.log(tail=200_000))
+        (ARTIFACTS / f"{name}.console.log").write_text("\n".join(console))
+        print(f"screenshot: {shot}\nserver log ({lab.log_path}), last lines:\n{lab.log(3000)}")
+        print("browser console, last lines:\n" + "\n".join(console[-30:]))
+    page.close()
+    lab.shutdown_kernels()
+
+
+def keep(element: Any, name: str, request: pytest.FixtureRequest) -> None:
+    """A screenshot of what the user sees, for the README (see --update-screenshots)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    element.scroll_into_view_if_needed()
+    element.screenshot(path=str(ARTIFACTS / name))
+    if request.config.getoption("--update-screenshots"):
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ARTIFACTS / name, SCREENSHOTS / name)
+
+
+def rgb(hex_colour: str) -> str:
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({r}, {g}, {b})"
+
+
+# -- %%gpumem -------------------------------------------------------------------------------------
+def test_the_report_renders_under_the_cell_with_the_bytes_it_allocated(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest
+) -> None:
+    nb = Notebook(page, lab, "magic.ipynb").open()
+    nb.run_cell(0)
+    nb.run_cell(1)
+    cell = nb.cell(1)
+    text = nb.output_text(1)
+    # the cell's own output is still there, above the report: its print, then its Out
+    assert "the cell's own output" in text
+    assert "torch.Size([1000, 1000])" in text
+    assert text.index("torch.Size") < text.index("memlab")
+    report = cell.locator(".memlab-report")
+    assert report.count() == 1
+    assert "four million bytes" in report.inner_text()
+    # 1000 × 1000 float32 is 4,000,000 B: shown as +3.81 MiB, exact on hover, in growth colour
+    exact = report.locator('td[title="4,000,000 B"]')
+    assert exact.all_inner_texts() == ["3.81 MiB", "+3.81 MiB", "3.81 MiB", "+3.81 MiB"]
+    change = exact.nth(1)  # after, change, peak, peak − before
+    assert change.evaluate("e => getComputedStyle(e).color") == rgb("#b03a2e")
+    keep(cell, "magic-report.png", request)
+
+    # an exception: the report, then the traceback, both under the cell
+    nb.run_cell(2)
+    cell = nb.cell(2)
+    assert cell.locator(".memlab-report").count() == 1
+    assert "raised ValueError" in cell.locator(".memlab-report").inner_text()
+    errors = nb.errors()
+    assert len(errors) == 1 and "ValueError: boom from the cell" in errors[0]
+    text = nb.output_text(2)
+    assert text.index("memlab") < text.index("boom from the cell")
+
+    # the history: a table of both tracked cells and a plot that was drawn
+    nb.run_cell(3)
+    cell = nb.cell(3)
+    assert "four million bytes" in cell.inner_text()
+    image = cell.locator("img").first
+    wait_for("the history plot to load", lambda: image.evaluate("i => i.naturalWidth") > 0, 10)
+    keep(cell, "magic-history.png", request)
+
+
+# -- the what-if panel ----------------------------------------------------------------------------
+def toggle(panel: Any, group: str, option: str) -> None:
+    box = panel.locator(".widget-toggle-buttons").filter(
+        has=panel.page.locator(".widget-label").get_by_text(group, exact=True)
+    )
+    button = box.locator(".widget-toggle-button").get_by_text(option, exact=True)
+    button.click()
+    active = lambda: "mod-active" in (button.get_attribute("class") or "")  # noqa: E731
+    wait_for(f"{group} = {option}", active, 5)
+
+
+def set_number(panel: Any, label: str, value: int) -> None:
+    field = (
+        panel.locator(".widget-inline-hbox")
+        .filter(has=panel.page.locator(".widget-label").get_by_text(label, exact=True))
+        .locator("input")
+    )
+    field.fill(str(value))
+    field.press("Enter")
+
+
+def test_the_panel_compares_runs_with_the_python_apis_numbers(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest
+) -> None:
+    nb = Notebook(page, lab, "panel.ipynb").open()
+    nb.run_cell(0)
+    panel = nb.cell(0).locator(".widget-vbox").first
+    panel.wait_for()
+    rows = panel.locator("table.memlab-runs tr")
+    chart = panel.locator(".widget-image").first
+    status = panel.locator(".widget-html").first
+
+    def press_run(expect_rows: int) -> None:
+        before = chart.get_attribute("src")
+        panel.locator(".widget-button").get_by_text("Run", exact=True).click()
+        wait_for(f"{expect_rows - 1} runs in the table", lambda: rows.count() == expect_rows, 60)
+        wait_for("the chart to redraw", lambda: chart.get_attribute("src") != before, 10)
+        wait_for("the chart to load", lambda: chart.evaluate("i => i.naturalWidth") > 0, 10)
+
+    press_run(2)  # the baseline
+    toggle(panel, "AMP", "bf16")
+    toggle(panel, "checkpointing", "auto")
+    press_run(3)
+    toggle(panel, "AMP", "off")
+    toggle(panel, "checkpointing", "off")
+    toggle(panel, "keep outputs", "detached")
+    press_run(4)
+    toggle(panel, "keep outputs", "off")
+    toggle(panel, "mode", "no_grad")
+    press_run(5)
+    described = [rows.nth(i).locator("td").nth(1).inner_text() for i in range(1, 5)]
+    assert described == [
+        "train, batch 16, adam",
+        "train, amp bf16, checkpoint auto, batch 16, adam",
+        "detached outputs, batch 16",
+        "no_grad, batch 16",
+    ]
+    shown = [rows.nth(i).locator("td").nth(2).get_attribute("title") for i in range(1, 5)]
+
+    # the same four configurations through memlab.whatif.run, in the same kernel
+    nb.run_cell(1)
+    expected = json.loads(nb.output_text(1).strip().splitlines()[-1])
+    assert shown == [f"{n:,} B" for n in expected]
+    keep(panel, "panel.png", request)
+
+    # a factory that raises: the message shows in the panel, no row is added, and it goes on
+    toggle(panel, "mode", "train")
+    set_number(panel, "batch size", 3)
+    panel.locator(".widget-button").get_by_text("Run", exact=True).click()
+    wait_for("the error in the panel", lambda: "refuses a batch of 3" in status.inner_text(), 30)
+    assert rows.count() == 5
+    assert not nb.errors()  # shown in the panel, not as a traceback somewhere else
+    set_number(panel, "batch size", 16)
+    press_run(6)
+    assert rows.nth(5).locator("td").nth(2).get_attribute("title") == shown[0]
+
+
+# -- annotated graphs -----------------------------------------------------------------------------
+def svg_texts(element: Any) -> list[str]:
+    return [t.strip() for t in element.locator("svg text").all_text_contents()]
+
+
+def test_the_graph_draws_with_byte_labels_and_a_module_view(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest
+) -> None:
+    nb = Notebook(page, lab, "graph.ipynb").open()
+    nb.run_all()
+    assert not nb.errors()
+    expected = json.loads(nb.output_text(2).strip().splitlines()[-1])
+    graph, view = nb.cell(0), nb.cell(1)
+
+    svg = graph.locator("svg").first
+    box = svg.bounding_box()
+    assert box is not None and box["width"] > 100 and box["height"] > 100  # drawn, not empty
+    texts = " ".join(svg_texts(graph))
+    assert expected["nodes"]
+    for label in expected["nodes"]:  # each node: its op, then the bytes it saved
+        op, size = label.split(" ", 1)
+        assert f"{op} {size}" in texts, label
+    assert graph.locator("svg title").count() > 0  # hover text survives the front end
+    assert graph.locator(".memlab-graph-table").count() == 1
+    assert "saved for backward" in nb.output_text(0)
+    keep(graph, "graph.png", request)
+
+    texts = " ".join(svg_texts(view))
+    assert view.locator("svg").first.bounding_box()["width"] > 50
+    assert len(expected["modules"]) == 3
+    for name, line in expected["modules"]:  # one box per module: its name, nodes and bytes
+        assert f"{name} {line}" in texts, (name, line, texts)
+    keep(view, "graph-modules.png", request)
+
+
+# -- the course -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", COURSE, ids=[p.stem for p in COURSE])
+def test_notebook_runs_to_the_end_in_the_browser(page: Any, lab: LabServer, path: Path) -> None:
+    nb = Notebook(page, lab, path.name).open()
+    nb.run_all(timeout=240)
+    assert not nb.errors(), nb.errors()[0]
+    prompts = nb.prompts()
+    assert prompts and all(re.match(r"^\[\d+\]:$", p) for p in prompts), prompts
