@@ -80,6 +80,15 @@ def test_semicolon_hides_the_value(ip: Any) -> None:
     assert ip.rec.kinds() == ["display"]
 
 
+def test_a_hidden_value_is_freed_before_the_cell_ends(ip: Any) -> None:
+    # IPython drops a value that `;` hides; memlab must not report it as left allocated
+    run(ip, "%%gpumem -q -o hidden\ntorch.empty(1000, 1000);")
+    assert ip.user_ns["hidden"].allocated_delta == 0
+    assert ip.user_ns["hidden"].peak_delta == 4_000_000
+    run(ip, "%%gpumem -q -o shown\ntorch.empty(1000, 1000)")
+    assert ip.user_ns["shown"].allocated_delta == 4_000_000  # Out[n] keeps it
+
+
 def test_line_magic_returns_the_value(ip: Any) -> None:
     r = run(ip, "y = %gpumem -o rep torch.ones(10)\ny.sum()")
     assert r.success and float(r.result) == 10.0

@@ -86,6 +86,10 @@ class GpumemMagics(Magics):
         try:
             with region:
                 value = runner.execute(self.sh, body, expr)
+                if cell is not None and quiet:
+                    # a hidden value is dropped in the cell, as IPython drops it: it must not
+                    # count as still allocated at the cell's end
+                    value = runner.NO_VALUE
         except BaseException:
             self._publish(region, opts)
             raise

@@ -18,7 +18,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-_NO_VALUE = object()
+NO_VALUE = object()
 
 
 def compile_cell(
@@ -87,13 +87,13 @@ def _ends_with_semicolon(source: str) -> bool:
 
 
 def execute(shell: InteractiveShell, body: Any, expr: Any) -> Any:
-    """Run compiled code in the user's namespace; the last expression's value or ``_NO_VALUE``."""
+    """Run compiled code in the user's namespace; the last expression's value or ``NO_VALUE``."""
     __tracebackhide__ = True
     exec(body, shell.user_global_ns, shell.user_ns)
     if expr is None:
-        return _NO_VALUE
+        return NO_VALUE
     return eval(expr, shell.user_global_ns, shell.user_ns)
 
 
 def has_value(value: Any) -> bool:
-    return value is not _NO_VALUE
+    return value is not NO_VALUE
