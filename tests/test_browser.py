@@ -109,6 +109,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         for c in nb.cells:
             if c.cell_type == "code":
                 c.outputs, c.execution_count = [], None
+                # Solutions are collapsed for readers; a collapsed cell shows no prompt, and the
+                # prompts are how the test sees that every cell ran, so open them here.
+                c.metadata.get("jupyter", {}).pop("source_hidden", None)
         nbformat.write(nb, root / path.name)
     for folder in ("solutions", "data"):
         if (ROOT / "notebooks" / folder).is_dir():
