@@ -11,11 +11,16 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MEMLAB_VENV:-$root/.venv}"
 torch_req="${MEMLAB_TORCH:-torch==2.13.0}"
 
+# apt_install PACKAGE WHY: install a Debian package when running as root with apt; otherwise
+# fail (status 1) and leave the message to the caller.
+apt_install() {
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || return 1
+  echo "memlab: installing $1 ($2)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null
+}
+
 if ! command -v dot >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "memlab setup: installing graphviz (for the dot executable)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null
-  else
+  if ! apt_install graphviz "for the dot executable"; then
     echo "memlab setup: graphviz's 'dot' is missing. Install it (apt-get install graphviz," \
          "conda install graphviz or brew install graphviz) and run this again." >&2
     exit 1

@@ -9,10 +9,7 @@ source "$root/scripts/setup.sh"
 cd "$root"
 # The browser tests drive Debian's Chromium (tests/test_browser.py); as root, install it here.
 if [ ! -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "memlab tests: installing chromium (for the browser tests)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  else
+  if ! apt_install chromium "for the browser tests"; then
     echo "memlab tests: /usr/bin/chromium is missing, so the browser tests will fail." \
          "Install Debian's chromium package (apt-get install chromium)." >&2
   fi
