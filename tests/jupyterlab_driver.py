@@ -147,12 +147,22 @@ class Notebook:
         self.root = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
 
     def open(self, timeout: float = 90) -> Notebook:
-        # ?reset: a fresh workspace, so notebooks opened by earlier pages do not come back as tabs
-        self.page.goto(f"{self.server.url}/lab/tree/{self.name}?reset&token={TOKEN}")
+        self.navigate()
         self.root.locator(".jp-Cell").first.wait_for(timeout=timeout * 1000)
-        # The toolbar says idle before the kernel exists: wait for the status bar to name it.
-        wait_for("the kernel to start", lambda: self.kernel_status() == "Idle", timeout)
+        wait_for("the kernel to start", self.ready, timeout)
         return self
+
+    def navigate(self) -> None:
+        """Load the notebook's page, without waiting for JupyterLab to show it (see `ready`)."""
+        # ?reset: a fresh workspace, so notebooks opened by earlier pages do not come back as tabs
+        self.page.goto(
+            f"{self.server.url}/lab/tree/{self.name}?reset&token={TOKEN}", wait_until="commit"
+        )
+
+    def ready(self) -> bool:
+        """The notebook shows its cells and its kernel is idle."""
+        # The toolbar says idle before the kernel exists: the status bar names it once it does.
+        return self.root.locator(".jp-Cell").count() > 0 and self.kernel_status() == "Idle"
 
     def kernel_status(self) -> str:
         text = self.page.inner_text("#jp-main-statusbar")
@@ -166,9 +176,13 @@ class Notebook:
         ]
 
     def run_all(self, timeout: float = 120) -> None:
+        self.start_run_all()
+        self.wait_until_done(timeout)
+
+    def start_run_all(self) -> None:
+        """Run > Run All Cells, without waiting (see `finished`)."""
         self.page.locator(".lm-MenuBar-itemLabel").get_by_text("Run", exact=True).click()
         self.page.locator('[data-command="runmenu:run-all"]').click()
-        self.wait_until_done(timeout)
 
     def run_cell(self, index: int, timeout: float = 120) -> None:
         """Run the code cell at ``index`` (0-based among code cells) with Shift+Enter."""
@@ -186,15 +200,16 @@ class Notebook:
     def wait_until_done(self, timeout: float) -> None:
         """Until every code cell has run, or the run stopped at an error; the kernel idle."""
 
-        def done() -> bool:
-            prompts = self.prompts()
-            if any("*" in p for p in prompts) or self.kernel_status() != "Idle":
-                return False
-            return all(DONE_PROMPT.match(p) for p in prompts) or bool(self.errors())
-
-        wait_for(f"{self.name} to finish running", done, timeout)
+        wait_for(f"{self.name} to finish running", self.finished, timeout)
         # Outputs can land just after the prompt changes: read them once the page is still.
         time.sleep(0.3)
+
+    def finished(self) -> bool:
+        """Every code cell has run, or the run stopped at an error, and the kernel is idle."""
+        prompts = self.prompts()
+        if any("*" in p for p in prompts) or self.kernel_status() != "Idle":
+            return False
+        return all(DONE_PROMPT.match(p) for p in prompts) or bool(self.errors())
 
     # -- reading ----------------------------------------------------------------------------------
     def cell(self, index: int) -> Any:

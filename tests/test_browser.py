@@ -1,7 +1,7 @@
 """memlab as a user sees it: a real JupyterLab, driven in headless Chromium.
 
 One JupyterLab server serves a temporary folder holding small notebooks written here and copies
-of every notebook in notebooks/ (outputs stripped). Each test opens a notebook in a fresh page,
+of the course notebooks (outputs stripped). Each test opens a notebook in a fresh page,
 runs cells the way a user does (Run All, Shift+Enter, clicking widgets) and checks what the page
 shows. On failure a screenshot and the server's log land in tests/artifacts/browser/ and the log's
 tail is printed; on success a few screenshots land there too (``--update-screenshots`` copies
@@ -13,18 +13,28 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
-from jupyterlab_driver import CHROMIUM, CHROMIUM_ARGS, LabServer, Notebook, wait_for
+from jupyterlab_driver import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    DONE_PROMPT,
+    LabServer,
+    Notebook,
+    wait_for,
+)
 
 ROOT = Path(__file__).parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
-COURSE = sorted((ROOT / "notebooks").glob("*.ipynb"))
+#: The teaching notebooks (01-…, 02-…). The 00-* tours of the tools run in tests/test_notebooks.py
+#: and in the Binder test; here the tools themselves are driven by the tests above.
+COURSE = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.startswith("00-"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -334,10 +344,83 @@ def test_the_graph_draws_with_byte_labels_and_a_module_view(
 
 
 # -- the course -----------------------------------------------------------------------------------
+#: Notebooks in flight at once. Much of a notebook's time in the browser is the page loading and
+#: the kernel starting, which overlap well with another notebook's cells even on two cores.
+AT_ONCE = 3
+COURSE_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def course_runs(browser: Any, lab: LabServer) -> dict[str, str | None]:
+    """Run All on every course notebook, a few at a time, each in its own page.
+
+    Maps each notebook to None when it ran to the end cleanly, else to what went wrong; a failed
+    notebook leaves its screenshot and browser console in tests/artifacts/browser/.
+    """
+
+    class Flight:
+        def __init__(self, path: Path) -> None:
+            self.console: list[str] = []
+            page = browser.new_page()
+            page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: self.console.append(f"page error: {e}"))
+            self.nb = Notebook(page, lab, path.name)
+            self.started = False
+            self.deadline = time.monotonic() + COURSE_TIMEOUT
+            self.nb.navigate()
+
+    waiting = list(COURSE)
+    flights: dict[str, Flight] = {}
+    outcome: dict[str, str | None] = {}
+
+    def land(name: str, problem: str | None) -> None:
+        flight = flights.pop(name)
+        outcome[name] = problem
+        if problem is not None:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            flight.nb.page.screenshot(path=str(ARTIFACTS / f"course-{name}.png"), full_page=True)
+            (ARTIFACTS / f"course-{name}.console.log").write_text("\n".join(flight.console))
+        flight.nb.page.close()
+
+    def check(name: str, flight: Flight) -> None:
+        nb = flight.nb
+        if not flight.started:
+            if nb.ready():
+                nb.start_run_all()
+                flight.started = True
+        elif nb.finished():
+            time.sleep(0.3)  # outputs can land just after the last prompt changes
+            errors, prompts = nb.errors(), nb.prompts()
+            if errors:
+                land(name, f"a cell raised:\n{errors[0]}")
+            elif not prompts or not all(DONE_PROMPT.match(p) for p in prompts):
+                land(name, f"not every cell ran: {prompts}")
+            else:
+                land(name, None)
+            return
+        if time.monotonic() > flight.deadline:
+            state = "running" if flight.started else "opening"
+            land(name, f"still {state} after {COURSE_TIMEOUT} s; prompts: {nb.prompts()}")
+
+    while waiting or flights:
+        while waiting and len(flights) < AT_ONCE:
+            path = waiting.pop(0)
+            flights[path.name] = Flight(path)
+        for name, flight in list(flights.items()):
+            try:
+                check(name, flight)
+            except Exception as e:  # reported by the notebook's own test
+                land(name, f"the page failed: {e!r}")
+        time.sleep(0.25)
+    lab.shutdown_kernels()
+    return outcome
+
+
 @pytest.mark.parametrize("path", COURSE, ids=[p.stem for p in COURSE])
-def test_notebook_runs_to_the_end_in_the_browser(page: Any, lab: LabServer, path: Path) -> None:
-    nb = Notebook(page, lab, path.name).open()
-    nb.run_all(timeout=240)
-    assert not nb.errors(), nb.errors()[0]
-    prompts = nb.prompts()
-    assert prompts and all(re.match(r"^\[\d+\]:$", p) for p in prompts), prompts
+def test_notebook_runs_to_the_end_in_the_browser(
+    course_runs: dict[str, str | None], lab: LabServer, path: Path
+) -> None:
+    problem = course_runs[path.name]
+    if problem is not None:
+        print(f"server log ({lab.log_path}), last lines:\n{lab.log(3000)}")
+        pytest.fail(f"{path.name}: {problem} (screenshot: {ARTIFACTS}/course-{path.name}.png)")
