@@ -46,9 +46,12 @@ def layout(r: MemoryReport) -> Layout:
     parts = ["memlab", r.device]
     if r.label:
         parts.append(r.label)
-    parts.append(fmt_seconds(r.seconds))
+    if r.source != "estimate":  # a prediction's run time is the meta run's, not a GPU's
+        parts.append(fmt_seconds(r.seconds))
     if r.source == "cuda-allocator":
         subtitle = "CUDA caching allocator"
+    elif r.source == "estimate":
+        subtitle = "PREDICTED: a meta-device run replayed through a model of the CUDA allocator"
     else:
         subtitle = "tensor accounting (exact bytes of tensor storages memlab saw)"
     rows = [Row("allocated", r.allocated_before, r.allocated_after, r.peak_allocated)]

@@ -69,7 +69,8 @@ class MemoryReport:
     """What one region did to one device's memory.
 
     ``source`` says where the numbers come from: ``"cuda-allocator"`` (the caching allocator's
-    own counters) or ``"tensor-accounting"`` (bytes of the tensor storages memlab saw; on a CPU,
+    own counters), ``"estimate"`` (a prediction by `memlab.estimate`, not a measurement) or
+    ``"tensor-accounting"`` (bytes of the tensor storages memlab saw; on a CPU,
     "allocated" means the live storages memlab knows about).
     """
 

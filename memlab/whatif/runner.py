@@ -53,6 +53,8 @@ def run(
     input_fn: InputFn,
     loss_fn: LossFn | None = None,
     config: RunConfig | None = None,
+    *,
+    on_measure: Callable[[str], None] | None = None,
 ) -> RunResult:
     """A warm-up step, then one measured step under ``config``.
 
@@ -61,6 +63,8 @@ def run(
         modes and forwards afterwards, also when the run fails.
     input_fn(batch_size): the model's input (a tensor, or a tuple passed as arguments).
     loss_fn(output): a scalar loss (default: the mean square of the output).
+    on_measure("start") / on_measure("end"): called just before and just after the measured step
+        (the estimator uses them).
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
     """
     config = config or RunConfig()
@@ -83,9 +87,13 @@ def run(
         try:
             if config.warmup:
                 step(lambda t: None)
+            if on_measure is not None:
+                on_measure("start")
             with region:
                 kept, series = step(lambda t: region.mark(t, Category.INPUT))
             del kept
+            if on_measure is not None:
+                on_measure("end")
         except torch.cuda.OutOfMemoryError as e:
             traceback.clear_frames(e.__traceback__)  # the frames hold the step's tensors
             message = str(e).splitlines()[0]
@@ -117,7 +125,12 @@ def _step(
     mark: Callable[[torch.Tensor], None],
 ) -> tuple[list[Any], list[int]]:
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.amp)
-    autocast = functools.partial(torch.autocast, device.type, dtype=amp, enabled=amp is not None)
+    # a disabled torch.autocast still asks for the device's autocast type, which "meta" lacks
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
+        functools.partial(torch.autocast, device.type, dtype=amp)
+        if amp is not None
+        else contextlib.nullcontext
+    )
     if config.retention != "off":  # evaluation with grad enabled, outputs kept
         model.eval()
         kept, series = [], []

@@ -1,0 +1,73 @@
+"""GPUs the estimator can predict for: their memory and what CUDA libraries take from it.
+
+``memory`` is the card's nominal size (16 GiB, 80 GiB, ...). What a program can reserve is less:
+the CUDA context and the libraries' code take a few hundred MiB outside PyTorch's allocator, and
+``torch.cuda.get_device_properties(0).total_memory`` is itself a little below the nominal size.
+``fits()`` therefore keeps ``context`` bytes aside.
+
+``workspace`` is the cuBLAS workspace PyTorch allocates through its caching allocator on the first
+matrix product of a stream and keeps: by PyTorch's defaults (``CUBLAS_WORKSPACE_CONFIG`` unset),
+``4096 KiB × 2 + 16 KiB × 8`` before Hopper and ``4096 KiB × 8`` on Hopper (sm90). These are
+PyTorch's documented defaults, not yet checked against allocator traces of every card: set
+``workspace=`` to override, e.g. with what ``torch.cuda.memory_allocated()`` shows after one
+``a @ b`` on your GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+PRE_HOPPER_WORKSPACE = 4096 * KiB * 2 + 16 * KiB * 8
+HOPPER_WORKSPACE = 4096 * KiB * 8
+#: A rough allowance for the CUDA context and library code, outside PyTorch's allocator.
+CONTEXT = 512 * MiB
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: int
+    workspace: int
+    context: int = CONTEXT
+
+    @property
+    def usable(self) -> int:
+        """Bytes left to PyTorch's allocator, by this model."""
+        return self.memory - self.context
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.memory / GiB:g} GiB)"
+
+
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("T4", 16 * GiB, PRE_HOPPER_WORKSPACE),
+        GPU("L4", 24 * GiB, PRE_HOPPER_WORKSPACE),
+        GPU("RTX 4090", 24 * GiB, PRE_HOPPER_WORKSPACE),
+        GPU("A100 40GB", 40 * GiB, PRE_HOPPER_WORKSPACE),
+        GPU("A100 80GB", 80 * GiB, PRE_HOPPER_WORKSPACE),
+        GPU("H100 80GB", 80 * GiB, HOPPER_WORKSPACE),
+        GPU("H200", 141 * GiB, HOPPER_WORKSPACE),
+    )
+}
+
+
+def gpu(spec: str | GPU | int | None) -> GPU | None:
+    """A GPU by name (case and spaces ignored), a `GPU`, a size in bytes (a custom card with
+    Hopper's workspace), or None (no card: no capacity, pre-Hopper workspace)."""
+    if spec is None or isinstance(spec, GPU):
+        return spec
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec <= CONTEXT:
+            raise ValueError(f"a GPU of {spec:,} B leaves nothing after the CUDA context.")
+        return GPU(f"custom {spec / GiB:.3g} GiB", spec, HOPPER_WORKSPACE)
+    if isinstance(spec, str):
+        wanted = spec.replace(" ", "").lower()
+        for name, g in GPUS.items():
+            if name.replace(" ", "").lower() == wanted:
+                return g
+        raise ValueError(f"unknown GPU {spec!r}: one of {', '.join(GPUS)}, or a size in bytes.")
+    raise TypeError(f"gpu takes a name, a GPU, a size in bytes or None, not {spec!r}.")

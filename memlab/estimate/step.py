@@ -1,0 +1,289 @@
+"""What a training or inference step would need on a GPU, computed without one.
+
+`estimate` runs the what-if step (`memlab.whatif.run`: a warm-up step, then the measured one) on
+the ``meta`` device, where tensors have shapes and dtypes but no memory, through memlab's tensor
+accounting. Every storage the step creates and frees, in order, is replayed through
+`CachingAllocator`, the model of PyTorch's CUDA caching allocator, which turns requested bytes
+into the blocks ``memory_allocated`` counts and the segments ``memory_reserved`` counts. The
+cuBLAS workspace, which a CUDA run allocates and a meta run does not, is added as the allocator
+would see it.
+
+What is not modelled yet, and said so in every estimate's notes: autocast (AMP runs are refused
+with an error), cuDNN and attention kernels whose CUDA versions save or allocate differently from
+their meta versions, and the foreach/fused optimizer kernels CUDA uses by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from memlab.core.categories import Category
+from memlab.core.ledger import default_ledger
+from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from memlab.estimate.gpus import GPU
+from memlab.estimate.gpus import gpu as find_gpu
+from memlab.region import track
+from memlab.reports.report import MemoryReport
+from memlab.reports.units import fmt_bytes
+from memlab.whatif.config import RunConfig, WhatIfError
+from memlab.whatif.runner import InputFn, LossFn, ModelFn, run
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted step on a GPU. Byte figures are what ``torch.cuda`` would report."""
+
+    config: RunConfig
+    gpu: GPU | None
+    #: The measured step's tensor accounting on ``meta``: breakdown, timeline, tensor bytes.
+    tensors: MemoryReport
+    #: The prediction, as a report: allocated (blocks) and reserved (segments), before, after
+    #: and at the peak of the measured step, with the breakdown and timeline of ``tensors``.
+    report: MemoryReport
+    workspace: int
+    #: The simulated allocator ran out of the GPU's usable memory (``gpu.usable``).
+    oom: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.report.peak_allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        assert self.report.peak_reserved is not None
+        return self.report.peak_reserved
+
+    def fits(self, budget: int | None = None) -> bool:
+        """Whether the step's peak *reserved* memory fits in ``budget`` bytes (default: the GPU's
+        memory less the CUDA context allowance). Reserved, not allocated: the cache and
+        fragmentation are memory the process holds too."""
+        if budget is None:
+            if self.gpu is None:
+                raise ValueError("no GPU was given to estimate(): pass a budget in bytes.")
+            budget = self.gpu.usable
+        return not self.oom and self.peak_reserved <= budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.describe(),
+            "gpu": None if self.gpu is None else self.gpu.name,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "workspace": self.workspace,
+            "oom": self.oom,
+            "fits": None if self.gpu is None else self.fits(),
+            "report": self.report.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        where = "no particular GPU" if self.gpu is None else self.gpu.describe()
+        verdict = ""
+        if self.gpu is not None:
+            verdict = " · fits" if self.fits() else " · does NOT fit"
+        return f"predicted for {where}{verdict}\n{self.report}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        html: str = self.report._repr_html_()
+        return html
+
+
+class _Replay:
+    """A ledger listener that replays one device's allocations through the allocator model."""
+
+    def __init__(self, device: str, allocator: CachingAllocator) -> None:
+        self.device = device
+        self.allocator = allocator
+        self.handles: dict[int, int] = {}
+        self.failed: str | None = None
+        #: The allocator's (allocated, reserved) after every event, and where the measured step
+        #: began in that list.
+        self.trace: list[tuple[int, int]] = []
+        self.measured_from: int | None = None
+        self.measured_to: int | None = None
+
+    def _note(self) -> None:
+        s = self.allocator.stats
+        self.trace.append((s.allocated, s.reserved))
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        if self.failed is not None:
+            return
+        try:
+            self.handles[key] = self.allocator.malloc(nbytes)
+        except SimulatedOutOfMemoryError as e:
+            self.failed = str(e)
+        self._note()
+
+    def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        old = self.handles.pop(serial, None)
+        if old is not None:  # a storage that grew: the allocator sees a new block
+            size = self.allocator.block_size(old)
+            self.allocator.free(old)
+            self.malloc(serial, size + delta)
+        elif delta > 0:
+            self.malloc(serial, delta)
+
+    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
+        handle = self.handles.pop(serial, None)
+        if handle is not None:
+            self.allocator.free(handle)
+            self._note()
+
+    def on_discovered(self, serial: int, nbytes: int) -> None:
+        pass  # storages from before the estimate are not on the simulated GPU
+
+    def on_mark(self, serial: int, category: Category) -> None:
+        pass
+
+    def on_saved(self, serial: int, saved: bool) -> None:
+        pass
+
+
+class _OnMeta(TorchFunctionMode):
+    """Sends tensors the user's code puts on a GPU (or the CPU) to ``meta`` instead, so code
+    written for CUDA runs unchanged on a machine without one."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = META
+        if func in (torch.Tensor.cuda, torch.Tensor.cpu):
+            return args[0].to(META)
+        if func is torch.Tensor.to:
+            args = tuple(META if _is_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _is_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError:
+            return False
+        return True
+    return isinstance(value, int) and not isinstance(value, bool)  # .to(0): GPU 0
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    with torch.device(META), _OnMeta():
+        yield
+
+
+def estimate(
+    model_fn: ModelFn,
+    input_fn: InputFn,
+    loss_fn: LossFn | None = None,
+    config: RunConfig | None = None,
+    *,
+    gpu: str | GPU | int | None = "H100 80GB",
+    workspace: int | None = None,
+) -> Estimate:
+    """Predict one step of ``config`` on a GPU, without a GPU.
+
+    model_fn, input_fn, loss_fn: as for `memlab.whatif.run`; they run with ``meta`` as the default
+        device, and a device they name (``.to("cuda")``, ``device=...``) becomes ``meta`` too, so
+        code written for a GPU runs unchanged and allocates nothing.
+    config: the step (``config.device`` is ignored; ``config.budget`` too: see `Estimate.fits`).
+    gpu: a name from `memlab.estimate.GPUS` ("T4", "A100 80GB", "H100 80GB", ...), a size in
+        bytes, or None. It sets the memory the simulated allocator may reserve and the cuBLAS
+        workspace.
+    workspace: the cuBLAS workspace in bytes, overriding the GPU's default (0: none).
+    """
+    config = (config or RunConfig()).with_(device="meta", budget=None)
+    if config.amp != "off":
+        raise WhatIfError(
+            "estimate() does not model autocast yet: estimate with amp='off', or measure AMP on "
+            "a GPU with memlab.whatif.run."
+        )
+    card = find_gpu(gpu)
+    if workspace is None:
+        workspace = 0 if card is None else card.workspace
+    allocator = CachingAllocator(capacity=None if card is None else card.usable)
+    replay = _Replay(str(META), allocator)
+    if workspace:  # taken on the first matrix product and kept: from the start, in this model
+        replay.malloc(-1, workspace)
+
+    def on_meta_model() -> torch.nn.Module:
+        with _on_meta():
+            return model_fn()
+
+    def on_meta_input(batch: int) -> Any:
+        with _on_meta():
+            return input_fn(batch)
+
+    def measuring(moment: str) -> None:
+        if moment == "start":
+            replay.measured_from = len(replay.trace)
+        else:
+            replay.measured_to = len(replay.trace)
+
+    ledger = default_ledger()
+    ledger.attach(replay)
+    try:
+        with track(META):  # accounting for the whole run, warm-up included, for the replay
+            result = run(on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring)
+    finally:
+        ledger.detach(replay)
+    tensors = result.report
+    if tensors is None or replay.measured_from is None:
+        raise WhatIfError(f"the step did not run: {result.error}")
+    return _prediction(config, card, tensors, replay, workspace)
+
+
+def _prediction(
+    config: RunConfig, card: GPU | None, tensors: MemoryReport, replay: _Replay, workspace: int
+) -> Estimate:
+    assert replay.measured_from is not None
+    start, end = replay.measured_from, replay.measured_to
+    trace = replay.trace
+    before = trace[start - 1] if start > 0 else (0, 0)
+    during = trace[start:end] or [before]
+    after = during[-1]
+    notes = [
+        f"includes a cuBLAS workspace of {fmt_bytes(workspace)}" if workspace else "",
+        "not modelled: cuDNN workspaces, CUDA-only kernels' saved tensors (attention, RNNs), "
+        "foreach/fused optimizer temporaries",
+    ]
+    if replay.failed is not None:
+        notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
+    report = MemoryReport(
+        device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
+        source="estimate",
+        allocated_before=before[0],
+        allocated_after=after[0],
+        peak_allocated=max(a for a, _ in [before, *during]),
+        seconds=tensors.seconds,
+        label=config.describe(),
+        reserved_before=before[1],
+        reserved_after=after[1],
+        peak_reserved=max(r for _, r in [before, *during]),
+        breakdown=tensors.breakdown,
+        timeline=tensors.timeline,
+        notes=tuple(n for n in notes if n),
+    )
+    return Estimate(
+        config,
+        card,
+        tensors,
+        report,
+        workspace,
+        oom=replay.failed is not None,
+        notes=report.notes,
+    )

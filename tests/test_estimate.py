@@ -1,0 +1,156 @@
+"""The estimator: a step on the meta device, replayed through the allocator model.
+
+The truths here are independent of the estimator: a real run of the same step on this CPU (the
+tensor bytes must be the same, category by category), byte sums of tensors the tests size
+themselves, and the allocator's rounding rules applied by hand to tensors that small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memlab
+from memlab import Category
+from memlab.estimate import GPUS, estimate
+from memlab.estimate.allocator import SMALL_BUFFER, round_size
+from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE, GiB
+from memlab.examples import GPT
+from memlab.whatif import RunConfig, WhatIfError, run
+
+WIDTH = 64
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+
+def rows(batch: int) -> torch.Tensor:
+    return torch.randn(batch, WIDTH)
+
+
+def gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(vocab=500, ctx=32, width=64, layers=2)
+
+
+def tokens(batch: int) -> torch.Tensor:
+    return torch.randint(0, 500, (batch, 32))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"optimizer": "sgd"},
+        {"optimizer": "sgd_momentum", "accumulation": 2},
+        {"optimizer": "sgd", "checkpoint": "auto"},
+    ],
+    ids=["sgd", "momentum-accumulate", "checkpoint"],
+)
+def test_the_meta_run_counts_the_same_tensor_bytes_as_a_real_cpu_run(changes: dict) -> None:
+    config = RunConfig(batch_size=8, **changes)
+    predicted = estimate(gpt, tokens, None, config, gpu=None, workspace=0)
+    real = run(gpt, tokens, None, config.with_(device="cpu")).report
+    assert real is not None and real.breakdown is not None
+    assert predicted.tensors.breakdown is not None
+    assert predicted.tensors.peak_allocated == real.peak_allocated
+    assert predicted.tensors.breakdown.highest == real.breakdown.highest
+    assert predicted.tensors.breakdown.at_peak == real.breakdown.at_peak
+
+
+def test_adam_differs_from_the_cpu_only_by_its_step_counters() -> None:
+    # On a CPU, Adam keeps each parameter's step counter (a float32 scalar) on the CPU: counted.
+    # On CUDA (and here on meta) the counters stay on the CPU, off the device.
+    config = RunConfig(batch_size=8, optimizer="adam")
+    predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors.breakdown
+    real = run(mlp, rows, None, config.with_(device="cpu")).report
+    assert predicted is not None and real is not None and real.breakdown is not None
+    n_params = sum(p.numel() for p in mlp().parameters())
+    tensors = len(list(mlp().parameters()))
+    assert predicted.highest[Category.OPTIMIZER_STATE] == 2 * 4 * n_params
+    assert real.breakdown.highest[Category.OPTIMIZER_STATE] == 2 * 4 * n_params + 4 * tensors
+
+
+def test_small_tensors_take_512_byte_blocks_from_2_mib_segments() -> None:
+    # Every tensor of this step is under 1 MiB: the small pool, blocks rounded up to 512 B and
+    # always split, so after the step exactly the parameters' and momenta's blocks are allocated.
+    config = RunConfig(batch_size=4, optimizer="sgd_momentum")
+    e = estimate(mlp, rows, None, config, gpu=None, workspace=0)
+    params = [p.numel() * 4 for p in mlp().parameters()]
+    assert max(params) < 2**20
+    expected = 2 * sum(round_size(n) for n in params)  # weights and momentum buffers
+    assert e.report.allocated_after == expected
+    assert e.report.reserved_after is not None
+    assert e.report.reserved_after % SMALL_BUFFER == 0
+    assert e.report.reserved_after >= e.report.allocated_after
+    assert e.peak_allocated >= e.report.allocated_after
+
+
+def test_the_workspace_is_allocated_once_and_kept() -> None:
+    config = RunConfig(batch_size=4, optimizer="sgd")
+    without = estimate(mlp, rows, None, config, gpu=None, workspace=0)
+    hopper = estimate(mlp, rows, None, config, gpu="H100 80GB")
+    older = estimate(mlp, rows, None, config, gpu="A100 80GB")
+    assert hopper.workspace == HOPPER_WORKSPACE == 32 * 2**20
+    assert hopper.report.allocated_after - without.report.allocated_after == HOPPER_WORKSPACE
+    assert older.report.allocated_after - without.report.allocated_after == PRE_HOPPER_WORKSPACE
+    # 8.125 MiB is under 10 MiB: the allocator gives it a 20 MiB segment
+    assert older.report.reserved_after - without.report.reserved_after == 20 * 2**20
+
+
+def test_code_written_for_cuda_runs_on_meta_and_allocates_nothing_real() -> None:
+    def model_fn() -> nn.Module:
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()).to("cuda")
+
+    def input_fn(batch: int) -> torch.Tensor:
+        x = torch.ones(batch, WIDTH, device="cuda")
+        return x.cuda() * torch.ones(WIDTH).to("cuda:0")
+
+    with memlab.track("cpu") as cpu:
+        e = estimate(model_fn, input_fn, None, RunConfig(batch_size=2048, optimizer="sgd"))
+    assert cpu.report.peak_delta == 0  # not one byte of real memory for the model or the batch
+    assert e.tensors.breakdown is not None
+    assert e.tensors.breakdown.highest[Category.INPUT] == 2048 * WIDTH * 4
+    assert e.tensors.breakdown.highest[Category.PARAMETER] == (WIDTH * WIDTH + WIDTH) * 4
+
+
+def test_a_model_too_large_for_the_gpu_does_not_fit() -> None:
+    def huge() -> nn.Module:
+        return nn.Linear(32_768, 32_768)  # 4 GiB of weights; Adam needs 4 × that
+
+    e = estimate(huge, lambda b: torch.randn(b, 32_768), None, RunConfig(batch_size=2), gpu="T4")
+    assert e.oom and not e.fits()
+    assert "out of memory" in e.notes[0]
+    big = estimate(
+        huge, lambda b: torch.randn(b, 32_768), None, RunConfig(batch_size=2), gpu="A100 80GB"
+    )
+    assert not big.oom and big.fits()
+    assert 16 * GiB < big.peak_reserved < 80 * GiB
+    assert not big.fits(budget=big.peak_reserved - 1)
+    assert big.fits(budget=big.peak_reserved)
+
+
+def test_bad_requests_get_errors_that_say_what_to_do() -> None:
+    with pytest.raises(WhatIfError, match="amp='off'"):
+        estimate(mlp, rows, None, RunConfig(amp="bf16"))
+    with pytest.raises(ValueError, match=r"unknown GPU 'V100'.*H100 80GB"):
+        estimate(mlp, rows, None, RunConfig(), gpu="V100")
+    with pytest.raises(ValueError, match="pass a budget"):
+        estimate(mlp, rows, None, RunConfig(optimizer="sgd"), gpu=None).fits()
+    assert (
+        estimate(mlp, rows, None, RunConfig(optimizer="sgd"), gpu="h100 80gb").gpu
+        is GPUS["H100 80GB"]
+    )
+
+
+def test_the_report_says_it_is_a_prediction() -> None:
+    e = estimate(mlp, rows, None, RunConfig(batch_size=4, optimizer="sgd"), gpu="L4")
+    text = str(e)
+    assert text.startswith("predicted for L4 (24 GiB) · fits")
+    assert "PREDICTED" in text and "cuBLAS workspace" in text
+    assert "PREDICTED" in e._repr_html_()
+    d = e.to_dict()
+    assert d["gpu"] == "L4" and d["fits"] is True and d["report"]["source"] == "estimate"
+    assert d["peak_reserved"] >= d["peak_allocated"] > 0
