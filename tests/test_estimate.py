@@ -52,7 +52,7 @@ def tokens(batch: int) -> torch.Tensor:
 def test_the_meta_run_counts_the_same_tensor_bytes_as_a_real_cpu_run(changes: dict) -> None:
     config = RunConfig(batch_size=8, **changes)
     predicted = estimate(gpt, tokens, None, config, gpu=None, workspace=0)
-    real = run(gpt, tokens, None, config.with_(device="cpu")).report
+    real = run(gpt, tokens, None, config.with_(device="cpu"), foreach=True).report
     assert real is not None and real.breakdown is not None
     assert predicted.tensors.breakdown is not None
     assert predicted.tensors.peak_allocated == real.peak_allocated
@@ -60,17 +60,26 @@ def test_the_meta_run_counts_the_same_tensor_bytes_as_a_real_cpu_run(changes: di
     assert predicted.tensors.breakdown.at_peak == real.breakdown.at_peak
 
 
-def test_adam_differs_from_the_cpu_only_by_its_step_counters() -> None:
-    # On a CPU, Adam keeps each parameter's step counter (a float32 scalar) on the CPU: counted.
-    # On CUDA (and here on meta) the counters stay on the CPU, off the device.
+def test_adam_runs_foreach_as_on_cuda_and_differs_from_the_cpu_only_by_step_counters() -> None:
+    # The estimate runs Adam's foreach implementation (CUDA's default): compare with a real CPU
+    # run of the same implementation. On a CPU, Adam keeps each parameter's step counter (a
+    # float32 scalar) on the parameters' device, so it is counted; on CUDA (and on meta) the
+    # counters stay on the CPU, off the device.
     config = RunConfig(batch_size=8, optimizer="adam")
-    predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors.breakdown
-    real = run(mlp, rows, None, config.with_(device="cpu")).report
-    assert predicted is not None and real is not None and real.breakdown is not None
+    predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors
+    real = run(mlp, rows, None, config.with_(device="cpu"), foreach=True).report
+    single = run(mlp, rows, None, config.with_(device="cpu"), foreach=False).report
+    assert predicted.breakdown is not None and real is not None and real.breakdown is not None
+    assert single is not None and single.breakdown is not None
     n_params = sum(p.numel() for p in mlp().parameters())
     tensors = len(list(mlp().parameters()))
-    assert predicted.highest[Category.OPTIMIZER_STATE] == 2 * 4 * n_params
+    assert predicted.breakdown.highest[Category.OPTIMIZER_STATE] == 2 * 4 * n_params
     assert real.breakdown.highest[Category.OPTIMIZER_STATE] == 2 * 4 * n_params + 4 * tensors
+    temporaries = Category.TEMPORARY
+    assert predicted.breakdown.highest[temporaries] == real.breakdown.highest[temporaries]
+    assert predicted.peak_allocated == real.peak_allocated - 4 * tensors
+    # and the two implementations do differ, so the choice matters
+    assert single.breakdown.highest[temporaries] != real.breakdown.highest[temporaries]
 
 
 def test_small_tensors_take_512_byte_blocks_from_2_mib_segments() -> None:

@@ -105,3 +105,43 @@ def test_import_memlab_stays_light_until_the_panel_is_asked_for() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False True"
+
+
+def test_simulate_a_gpu_predicts_instead_of_measuring() -> None:
+    from memlab.estimate import GPUS, estimate
+
+    ex = explorer()
+    ex.simulate.value = "T4"
+    ex.optimizer.value = "sgd"
+    r = ex.run()
+    expected = estimate(stack, inputs, None, ex.config, gpu="T4")
+    assert r is not None and r.predicted_for == "T4" and not r.oom
+    assert r.peak == expected.peak_allocated
+    assert r.report is not None and r.report.source == "estimate"
+    assert "predicted for T4" in ex.table.value and "predicted" in ex.status.value
+
+    # a budget below the predicted reserved memory: marked, and the panel goes on
+    ex.budget.value = expected.peak_reserved / 1024**2 - 1
+    too_big = ex.run()
+    assert too_big is not None and too_big.oom and "predicted not to fit" in ex.table.value
+    assert "exceeds" in ex.status.value
+
+    # the search for the largest batch predicts each step on the simulated GPU
+    ex.budget.value = 64
+    ex.simulate.value = "L4"
+    best = ex.largest_batch()
+    assert best is not None and best > 0
+    card, budget = GPUS["L4"], 64 * 1024**2
+    config = ex.config.with_(batch_size=best)
+    assert estimate(stack, inputs, None, config, gpu=card).fits(budget)
+    over = estimate(stack, inputs, None, config.with_(batch_size=best + 1), gpu=card)
+    assert not over.fits(budget)
+    # without a budget it searches the GPU's memory: here all of the search's range fits
+    ex.budget.value = 0
+    assert ex.largest_batch() == 1 << 16 and "search stops" in ex.status.value
+
+    # AMP is not predicted yet: said in the panel, no row added
+    rows = len(ex.results)
+    ex.amp.value = "bf16"
+    assert ex.run() is None and "does not model autocast" in ex.status.value
+    assert len(ex.results) == rows

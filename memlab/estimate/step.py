@@ -8,9 +8,12 @@ into the blocks ``memory_allocated`` counts and the segments ``memory_reserved``
 cuBLAS workspace, which a CUDA run allocates and a meta run does not, is added as the allocator
 would see it.
 
+The optimizer runs its ``foreach`` implementation, CUDA's default (on ``meta`` PyTorch would pick
+the single-tensor one, whose temporaries differ).
+
 What is not modelled yet, and said so in every estimate's notes: autocast (AMP runs are refused
-with an error), cuDNN and attention kernels whose CUDA versions save or allocate differently from
-their meta versions, and the foreach/fused optimizer kernels CUDA uses by default.
+with an error), and cuDNN and attention kernels whose CUDA versions save or allocate differently
+from their meta versions.
 """
 
 from __future__ import annotations
@@ -238,7 +241,9 @@ def estimate(
     ledger.attach(replay)
     try:
         with track(META):  # accounting for the whole run, warm-up included, for the replay
-            result = run(on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring)
+            result = run(
+                on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring, foreach=True
+            )
     finally:
         ledger.detach(replay)
     tensors = result.report
@@ -258,8 +263,7 @@ def _prediction(
     after = during[-1]
     notes = [
         f"includes a cuBLAS workspace of {fmt_bytes(workspace)}" if workspace else "",
-        "not modelled: cuDNN workspaces, CUDA-only kernels' saved tensors (attention, RNNs), "
-        "foreach/fused optimizer temporaries",
+        "not modelled: cuDNN workspaces, CUDA-only kernels' saved tensors (attention, RNNs)",
     ]
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")

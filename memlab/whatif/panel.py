@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import ipywidgets as w
 
 from memlab.core.categories import Category
+from memlab.estimate.gpus import GPUS
 from memlab.reports.html import CELL, GROW, LEFT, num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes, fmt_seconds
 from memlab.whatif.config import AMP, MODES, OPTIMIZERS, RETENTION, RunConfig, WhatIfError
@@ -22,6 +23,8 @@ from memlab.whatif.runner import InputFn, LossFn, ModelFn, RunResult, resolve_de
 
 T = TypeVar("T")
 MiB = 1024**2
+#: The "simulate a GPU" choice that measures on this machine instead.
+HERE = "no: measure here"
 #: The largest batch the search tries.
 MAX_BATCH = 1 << 16
 _COLOURS = {
@@ -74,6 +77,9 @@ class Explorer:
         self.budget = w.BoundedFloatText(
             value=(c.budget or 0) / MiB, min=0, max=1e9, description="budget (MiB)", style=style
         )
+        self.simulate = w.Dropdown(
+            options=(HERE, *GPUS), value=HERE, description="simulate a GPU", style=style
+        )
         fit = w.Layout(width="auto")  # buttons as wide as their labels
         self.run_button = w.Button(
             description="Run", button_style="primary", icon="play", layout=fit
@@ -92,7 +98,15 @@ class Explorer:
                 w.HBox(
                     [
                         w.VBox([self.amp, self.checkpoint, self.mode, self.retention]),
-                        w.VBox([self.batch_size, self.accumulation, self.optimizer, self.budget]),
+                        w.VBox(
+                            [
+                                self.batch_size,
+                                self.accumulation,
+                                self.optimizer,
+                                self.budget,
+                                self.simulate,
+                            ]
+                        ),
                     ]
                 ),
                 w.HBox([self.run_button, self.fit_button, self.clear_button]),
@@ -119,13 +133,36 @@ class Explorer:
         )
 
     def run(self) -> RunResult | None:
-        """Run the current configuration, add it to the comparison, and redraw."""
-        result = self._attempt(lambda: run(self.model_fn, self.input_fn, self.loss_fn, self.config))
+        """Run the current configuration (or predict it for the GPU chosen under "simulate a
+        GPU"), add it to the comparison, and redraw."""
+        result = self._attempt(lambda: self._step(self.config))
         if result is not None:
             self.results.append(result)
-            self._say(result.error or f"ran {escape(result.config.describe())}", bool(result.oom))
+            done = f"ran {result.config.describe()}"
+            if result.predicted_for:
+                done = f"predicted {result.config.describe()} on {result.predicted_for}"
+            self._say(result.error or done, bool(result.oom))
             self._redraw()
         return result
+
+    def _step(self, config: RunConfig) -> RunResult:
+        if self.simulate.value == HERE:
+            return run(self.model_fn, self.input_fn, self.loss_fn, config)
+        from memlab.estimate.step import estimate
+
+        card = GPUS[self.simulate.value]
+        e = estimate(self.model_fn, self.input_fn, self.loss_fn, config, gpu=card)
+        budget = config.budget or card.usable
+        fits = e.fits(budget)
+        error = None
+        if not fits:
+            error = (
+                f"predicted not to fit on {card.name}: {e.notes[0]}"
+                if e.oom
+                else f"predicted peak reserved {fmt_bytes(e.peak_reserved)} exceeds "
+                f"{fmt_bytes(budget)}"
+            )
+        return RunResult(config, e.report, oom=not fits, error=error, predicted_for=card.name)
 
     def largest_batch(self) -> int | None:
         """The largest batch size whose step fits the budget (or the GPU's free memory), found by
@@ -133,6 +170,8 @@ class Explorer:
         config = self._attempt(lambda: self.config)
         if config is None:
             return None
+        if config.budget is None and self.simulate.value != HERE:
+            config = config.with_(budget=GPUS[self.simulate.value].usable)
         if config.budget is None:
             chosen = config  # narrowed to RunConfig, and never reassigned
             found = self._attempt(lambda: (_device_limit(chosen),))
@@ -147,13 +186,14 @@ class Explorer:
         def fits(batch: int) -> bool:
             # the same step as a run, warm-up included: with the optimizer's state already in
             # place, a step peaks higher than the very first one
-            r = run(self.model_fn, self.input_fn, self.loss_fn, config.with_(batch_size=batch))
-            return not r.oom
+            return not self._step(config.with_(batch_size=batch)).oom
 
         def search() -> int:
             lo, hi = 0, step
             while hi <= MAX_BATCH and fits(hi):
                 lo, hi = hi, hi * 2
+            if hi > MAX_BATCH:  # everything up to the search's limit fits
+                return lo
             while hi - lo > step:  # lo fits (or is 0), hi does not
                 mid = (lo + hi) // 2 // step * step
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -167,7 +207,8 @@ class Explorer:
             return 0
         self.batch_size.value = best
         self.run()
-        self._say(f"largest batch that fits in {fmt_bytes(config.budget)}: {best}")
+        limit = f" (the search stops at {MAX_BATCH:,})" if best * 2 > MAX_BATCH else ""
+        self._say(f"largest batch that fits in {fmt_bytes(config.budget)}: {best}{limit}")
         return best
 
     def clear(self) -> None:
@@ -210,9 +251,12 @@ class Explorer:
             change = None if peak is None or first is None or i == 1 else peak - first
             breakdown = r.report.breakdown if r.report else None
             acts = breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0
+            described = r.config.describe()
+            if r.predicted_for:
+                described += f" · predicted for {r.predicted_for}"
             rows.append(
                 text_cell(str(i), CELL)
-                + text_cell(r.config.describe())
+                + text_cell(described)
                 + num_cell(peak)
                 + (
                     num_cell(change, signed=True, colour=True)
@@ -220,11 +264,20 @@ class Explorer:
                     else text_cell("")
                 )
                 + num_cell(acts)
-                + text_cell(fmt_seconds(r.report.seconds) if r.report else "", CELL)
-                + text_cell("out of memory" if r.oom else "", f"{LEFT};color:{GROW}")
+                + text_cell(
+                    fmt_seconds(r.report.seconds) if r.report and not r.predicted_for else "",
+                    CELL,
+                )
+                + text_cell(_verdict(r), f"{LEFT};color:{GROW}")
             )
         head = ["run", "configuration", "peak", "vs run 1", "activations", "time", ""]
         return table(head, rows, "memlab-runs")
+
+
+def _verdict(r: RunResult) -> str:
+    if not r.oom:
+        return ""
+    return "predicted not to fit" if r.predicted_for else "out of memory"
 
 
 def _device_limit(config: RunConfig) -> int | None:

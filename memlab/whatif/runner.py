@@ -33,6 +33,8 @@ class RunResult:
     error: str | None = None
     #: The retention experiment: memory allocated after each iteration, in bytes.
     series: tuple[int, ...] = ()
+    #: Not measured but predicted by `memlab.estimate` for this GPU (its name).
+    predicted_for: str | None = None
 
     @property
     def peak(self) -> int | None:
@@ -44,6 +46,7 @@ class RunResult:
             "oom": self.oom,
             "error": self.error,
             "series": list(self.series),
+            "predicted_for": self.predicted_for,
             "report": None if self.report is None else self.report.to_dict(),
         }
 
@@ -55,6 +58,7 @@ def run(
     config: RunConfig | None = None,
     *,
     on_measure: Callable[[str], None] | None = None,
+    foreach: bool | None = None,
 ) -> RunResult:
     """A warm-up step, then one measured step under ``config``.
 
@@ -65,6 +69,8 @@ def run(
     loss_fn(output): a scalar loss (default: the mean square of the output).
     on_measure("start") / on_measure("end"): called just before and just after the measured step
         (the estimator uses them).
+    foreach: the optimizer's ``foreach`` option (None: PyTorch's default for the device; the
+        estimator asks for True, CUDA's default, when it runs on ``meta``).
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
     """
     config = config or RunConfig()
@@ -80,7 +86,7 @@ def run(
             "mode='no_grad', or unfreeze some parameters."
         )
     with _restored(model, weights=training), _checkpointed(model, config.checkpoint):
-        opt = _optimizer(model, config) if training else None
+        opt = _optimizer(model, config, foreach) if training else None
         scaler = torch.amp.GradScaler(device.type) if training and config.amp == "fp16" else None
         step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler)
         region = track(device, breakdown=True, timeline=True, watch=[model])
@@ -239,15 +245,17 @@ def _check_device(what: str, tensors: list[torch.Tensor], device: torch.device) 
             )
 
 
-def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+def _optimizer(
+    model: nn.Module, config: RunConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
+        return torch.optim.SGD(params, lr=config.lr, foreach=foreach)
     if config.optimizer == "sgd_momentum":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, foreach=foreach)
     if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.lr)
-    return torch.optim.AdamW(params, lr=config.lr)
+        return torch.optim.Adam(params, lr=config.lr, foreach=foreach)
+    return torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
 
 
 def blocks(model: nn.Module) -> list[str]:
