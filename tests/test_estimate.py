@@ -163,3 +163,36 @@ def test_the_report_says_it_is_a_prediction() -> None:
     d = e.to_dict()
     assert d["gpu"] == "L4" and d["fits"] is True and d["report"]["source"] == "estimate"
     assert d["peak_reserved"] >= d["peak_allocated"] > 0
+
+
+def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
+    from memlab.estimate import compare, per_rank
+
+    def blocks() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+
+    e = estimate(blocks, rows, None, RunConfig(batch_size=8, optimizer="adam"), gpu=None)
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    assert e.units == (layer,) * 4  # each repeated block's parameters
+    assert e.tensors.breakdown is not None
+    at_peak = e.tensors.breakdown.at_peak
+    n = 4
+    ddp, z1, z2, fsdp = (per_rank(e, n, s) for s in ("ddp", "zero1", "zero2", "fsdp"))
+    assert ddp.by_category == {c: b for c, b in at_peak.items() if b}
+    assert ddp.extra == e.tensors.breakdown.highest[Category.GRADIENT] == 4 * layer  # buckets
+    assert per_rank(e, n, "ddp", bucket_view=True).extra == 0
+    state = at_peak.get(Category.OPTIMIZER_STATE, 0)
+    assert z1.by_category.get(Category.OPTIMIZER_STATE, 0) == -(-state // n)
+    assert z1.extra == 0 and z1.total < ddp.total
+    params = at_peak[Category.PARAMETER]
+    assert fsdp.by_category[Category.PARAMETER] == params // n
+    assert fsdp.extra == 3 * layer
+    assert z2.total <= z1.total
+    assert per_rank(e, 1, "fsdp").total == sum(b for b in at_peak.values())
+    table = compare(e, n)
+    assert "ddp" in table and "fsdp" in table and table.count("\n") >= 4
+    with pytest.raises(ValueError, match="not one of"):
+        per_rank(e, n, "pipeline")
+    with pytest.raises(ValueError, match="world_size"):
+        per_rank(e, 0)

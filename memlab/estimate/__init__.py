@@ -1,6 +1,7 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
+from memlab.estimate.distributed import RankMemory, compare, per_rank
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.step import Estimate, estimate
 
-__all__ = ["GPU", "GPUS", "Estimate", "estimate"]
+__all__ = ["GPU", "GPUS", "Estimate", "RankMemory", "compare", "estimate", "per_rank"]

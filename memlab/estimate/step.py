@@ -35,7 +35,7 @@ from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
 from memlab.whatif.config import RunConfig, WhatIfError
-from memlab.whatif.runner import InputFn, LossFn, ModelFn, run
+from memlab.whatif.runner import InputFn, LossFn, ModelFn, blocks, run
 
 META = torch.device("meta")
 
@@ -54,6 +54,9 @@ class Estimate:
     workspace: int
     #: The simulated allocator ran out of the GPU's usable memory (``gpu.usable``).
     oom: bool = False
+    #: Parameter bytes of each repeated block of the model (what sharded data parallelism
+    #: would gather one at a time; see `memlab.estimate.distributed`).
+    units: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -223,9 +226,18 @@ def estimate(
     if workspace:  # taken on the first matrix product and kept: from the start, in this model
         replay.malloc(-1, workspace)
 
+    units: list[int] = []
+
     def on_meta_model() -> torch.nn.Module:
         with _on_meta():
-            return model_fn()
+            model = model_fn()
+        if not units and isinstance(model, torch.nn.Module):
+            named = dict(model.named_modules())
+            units.extend(
+                sum(p.numel() * p.element_size() for p in named[path].parameters())
+                for path in blocks(model)
+            )
+        return model
 
     def on_meta_input(batch: int) -> Any:
         with _on_meta():
@@ -249,11 +261,16 @@ def estimate(
     tensors = result.report
     if tensors is None or replay.measured_from is None:
         raise WhatIfError(f"the step did not run: {result.error}")
-    return _prediction(config, card, tensors, replay, workspace)
+    return _prediction(config, card, tensors, replay, workspace, tuple(units))
 
 
 def _prediction(
-    config: RunConfig, card: GPU | None, tensors: MemoryReport, replay: _Replay, workspace: int
+    config: RunConfig,
+    card: GPU | None,
+    tensors: MemoryReport,
+    replay: _Replay,
+    workspace: int,
+    units: tuple[int, ...],
 ) -> Estimate:
     assert replay.measured_from is not None
     start, end = replay.measured_from, replay.measured_to
@@ -289,5 +306,6 @@ def _prediction(
         report,
         workspace,
         oom=replay.failed is not None,
+        units=units,
         notes=report.notes,
     )
