@@ -17,7 +17,7 @@ from memlab.estimate import GPUS, estimate
 from memlab.estimate.allocator import SMALL_BUFFER, round_size
 from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE, GiB
 from memlab.examples import GPT
-from memlab.whatif import RunConfig, WhatIfError, run
+from memlab.whatif import RunConfig, run
 
 WIDTH = 64
 
@@ -141,9 +141,74 @@ def test_a_model_too_large_for_the_gpu_does_not_fit() -> None:
     assert big.fits(budget=big.peak_reserved)
 
 
+def test_amp_on_meta_saves_what_autocast_saves_on_a_real_cpu() -> None:
+    # For Linear, GELU and the runner's loss (square, mean), CPU autocast and CUDA's policy,
+    # which the estimate emulates, agree; so the real CPU run is the truth, category by category.
+    for amp in ("bf16", "fp16"):
+        config = RunConfig(batch_size=32, amp=amp, optimizer="sgd")
+        predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors
+        real = run(mlp, rows, None, config.with_(device="cpu"), foreach=True).report
+        assert real is not None and real.breakdown is not None
+        assert predicted.breakdown is not None
+        ours, truth = dict(predicted.breakdown.highest), dict(real.breakdown.highest)
+        if amp == "fp16":  # the CPU run's GradScaler keeps a scale and a counter: 8 B or so
+            for c in (Category.INPUT, Category.TEMPORARY):
+                assert 0 < truth.pop(c) - ours.pop(c) <= 16
+        assert ours == truth
+        assert abs(predicted.peak_allocated - real.peak_allocated) <= 0.005 * real.peak_allocated
+    fp32 = estimate(mlp, rows, None, RunConfig(batch_size=32, optimizer="sgd"), gpu=None)
+    bf16 = estimate(mlp, rows, None, RunConfig(batch_size=32, amp="bf16", optimizer="sgd"))
+    assert fp32.tensors.breakdown is not None and bf16.tensors.breakdown is not None
+    acts = Category.ACTIVATION
+    assert bf16.tensors.breakdown.highest[acts] != fp32.tensors.breakdown.highest[acts]
+    assert "autocast emulated" in " ".join(bf16.notes)
+
+
+def test_the_autocast_emulation_casts_a_shared_weight_once_and_restores_torch() -> None:
+    from memlab.estimate.autocast import emulated
+
+    layer = nn.Linear(WIDTH, WIDTH, device="meta")
+    x = torch.empty(8, WIDTH, device="meta")
+    with memlab.track("meta") as t, emulated(torch.bfloat16):
+        y = layer(layer(x))  # the weight's bf16 copy is made once and reused
+        z = torch.softmax(y, -1)
+        assert y.dtype == torch.bfloat16 and z.dtype == torch.float32  # softmax: float32 out
+        assert F_layer_norm(y).dtype == torch.float32  # layer_norm runs in float32
+        del y, z
+    weight_copy = (WIDTH * WIDTH + WIDTH) * 2  # one bf16 copy of weight and bias, not two
+    rows_bf16, rows_fp32 = 8 * WIDTH * 2, 8 * WIDTH * 4
+    # x's copy and two outputs in bf16; softmax's output, layer_norm's float32 input copy and
+    # output; layer_norm's mean and 1/std (8 floats each)
+    assert t.report.peak_delta == weight_copy + 3 * rows_bf16 + 3 * rows_fp32 + 2 * 8 * 4
+    assert t.report.allocated_delta == 0  # the cache went when the region ended
+    assert "matmul" not in torch.Tensor.__dict__  # every patched entry point restored
+    assert torch.nn.functional.linear is torch._C._nn.linear
+
+
+def F_layer_norm(t: torch.Tensor) -> torch.Tensor:  # noqa: N802
+    return torch.nn.functional.layer_norm(t, t.shape[-1:])
+
+
+def test_the_emulated_policy_is_the_installed_pytorchs() -> None:
+    import re
+    from pathlib import Path
+
+    from memlab.estimate import autocast
+
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    text = header.read_text()
+
+    def listed(macro: str) -> set[str]:
+        body = text.split(f"#define {macro}(_)", 1)[1].split("\n\n", 1)[0]
+        return set(re.findall(r"_\((\w+)", body))
+
+    assert listed("AT_FORALL_LOWER_PRECISION_FP") == set(autocast.LOWER_PRECISION)
+    assert listed("AT_FORALL_FP32") == set(autocast.FLOAT32)
+    assert listed("AT_FORALL_FP32_SET_OPT_DTYPE") == set(autocast.FLOAT32_OUTPUT)
+    assert listed("AT_FORALL_PROMOTE") == set(autocast.PROMOTE)
+
+
 def test_bad_requests_get_errors_that_say_what_to_do() -> None:
-    with pytest.raises(WhatIfError, match="amp='off'"):
-        estimate(mlp, rows, None, RunConfig(amp="bf16"))
     with pytest.raises(ValueError, match=r"unknown GPU 'V100'.*H100 80GB"):
         estimate(mlp, rows, None, RunConfig(), gpu="V100")
     with pytest.raises(ValueError, match="pass a budget"):

@@ -140,8 +140,7 @@ def test_simulate_a_gpu_predicts_instead_of_measuring() -> None:
     ex.budget.value = 0
     assert ex.largest_batch() == 1 << 16 and "search stops" in ex.status.value
 
-    # AMP is not predicted yet: said in the panel, no row added
-    rows = len(ex.results)
+    # AMP is predicted too, with CUDA's autocast policy emulated
     ex.amp.value = "bf16"
-    assert ex.run() is None and "does not model autocast" in ex.status.value
-    assert len(ex.results) == rows
+    amp = ex.run()
+    assert amp is not None and amp.predicted_for == "L4" and "amp bf16" in ex.table.value

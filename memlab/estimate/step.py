@@ -11,9 +11,11 @@ would see it.
 The optimizer runs its ``foreach`` implementation, CUDA's default (on ``meta`` PyTorch would pick
 the single-tensor one, whose temporaries differ).
 
-What is not modelled yet, and said so in every estimate's notes: autocast (AMP runs are refused
-with an error), and cuDNN and attention kernels whose CUDA versions save or allocate differently
-from their meta versions.
+AMP configurations run under `memlab.estimate.autocast.emulated`, CUDA's autocast policy applied
+in Python (real autocast does not run on ``meta``); the gradient scaler's few bytes are left out.
+
+What is not modelled yet, and said so in every estimate's notes: cuDNN and attention kernels whose
+CUDA versions save or allocate differently from their meta versions.
 """
 
 from __future__ import annotations
@@ -213,11 +215,6 @@ def estimate(
     workspace: the cuBLAS workspace in bytes, overriding the GPU's default (0: none).
     """
     config = (config or RunConfig()).with_(device="meta", budget=None)
-    if config.amp != "off":
-        raise WhatIfError(
-            "estimate() does not model autocast yet: estimate with amp='off', or measure AMP on "
-            "a GPU with memlab.whatif.run."
-        )
     card = find_gpu(gpu)
     if workspace is None:
         workspace = 0 if card is None else card.workspace
@@ -281,6 +278,7 @@ def _prediction(
     notes = [
         f"includes a cuBLAS workspace of {fmt_bytes(workspace)}" if workspace else "",
         "not modelled: cuDNN workspaces, CUDA-only kernels' saved tensors (attention, RNNs)",
+        "autocast emulated with CUDA's policy" if config.amp != "off" else "",
     ]
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")

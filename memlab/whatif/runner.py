@@ -87,7 +87,9 @@ def run(
         )
     with _restored(model, weights=training), _checkpointed(model, config.checkpoint):
         opt = _optimizer(model, config, foreach) if training else None
-        scaler = torch.amp.GradScaler(device.type) if training and config.amp == "fp16" else None
+        # (on meta, the estimator's device, a scaler cannot run; its state is a few bytes)
+        fp16 = training and config.amp == "fp16" and device.type != "meta"
+        scaler = torch.amp.GradScaler(device.type) if fp16 else None
         step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler)
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
@@ -132,11 +134,13 @@ def _step(
 ) -> tuple[list[Any], list[int]]:
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.amp)
     # a disabled torch.autocast still asks for the device's autocast type, which "meta" lacks
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
-        functools.partial(torch.autocast, device.type, dtype=amp)
-        if amp is not None
-        else contextlib.nullcontext
-    )
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    if amp is not None and device.type == "meta":  # the estimator: CUDA's policy, emulated
+        from memlab.estimate.autocast import emulated
+
+        autocast = functools.partial(emulated, amp)
+    elif amp is not None:
+        autocast = functools.partial(torch.autocast, device.type, dtype=amp)
     if config.retention != "off":  # evaluation with grad enabled, outputs kept
         model.eval()
         kept, series = [], []

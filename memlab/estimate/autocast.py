@@ -1,0 +1,290 @@
+"""CUDA's autocast, emulated in Python for tensors on the ``meta`` device.
+
+``torch.autocast("cuda")`` works only where CUDA does, and it casts only CUDA tensors. To predict
+an AMP step without a GPU, `emulated(dtype)` applies the same casting policy at the Python entry
+points of the operations on autocast's lists, while the estimator's step runs on ``meta``:
+
+- **lower precision** (matrix products, convolutions, ``linear``, attention): floating-point
+  inputs are cast to ``dtype``; a weight (a leaf tensor that requires grad) is cast once per
+  autocast region and the copy is cached until the region ends, as autocast's weight-cast cache
+  does;
+- **float32** (norms, losses, ``exp``, ``log``, ...): 16-bit inputs are cast up to float32;
+- **float32 output** (``softmax``, ``log_softmax``, ``sum``, ``cumsum``, ``prod``, norms): run with
+  ``dtype=torch.float32`` when the input is 16-bit;
+- **promote** (``addcmul``, ``atan2``, ``dot``, ...): inputs are cast to the widest type among them.
+
+The op lists are CUDA's (PyTorch's ``AT_FORALL_LOWER_PRECISION_FP``, ``AT_FORALL_FP32``,
+``AT_FORALL_FP32_SET_OPT_DTYPE`` and ``AT_FORALL_PROMOTE``; a test checks them against the
+installed PyTorch's header); names without a Python entry point are listed for completeness.
+
+Casting happens where Python code calls these operations (``torch.nn.functional``, ``torch`` and
+``Tensor`` methods); inside one of them nothing is cast again, as inside an autocast kernel.
+Operations only C++ code reaches, inside another operation's implementation, are not cast: the
+same as real autocast for composite operations on the lists, but not for the few composites off
+the lists that call listed ones in C++ (``cross_entropy`` and ``interpolate`` are handled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+LOWER_PRECISION = [
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convolution",
+    "prelu",
+    "addmm",
+    "addmv",
+    "addr",
+    "matmul",
+    "einsum",
+    "mm",
+    "mv",
+    "linalg_vecdot",
+    "linear",
+    "addbmm",
+    "baddbmm",
+    "bmm",
+    "chain_matmul",
+    "linalg_multi_dot",
+    "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention",
+    "scaled_dot_product_attention",
+]
+FLOAT32 = [
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "softplus",
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "group_norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "upsample_nearest1d",
+    "_upsample_nearest_exact1d",
+    "upsample_nearest2d",
+    "_upsample_nearest_exact2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d",
+    "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa",
+]
+FLOAT32_OUTPUT = [
+    "prod",
+    "softmax",
+    "log_softmax",
+    "cumprod",
+    "cumsum",
+    "linalg_vector_norm",
+    "linalg_matrix_norm",
+    "sum",
+]
+PROMOTE = [
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sampler",
+    "index_put",
+    "tensordot",
+    "scatter_add",
+]
+#: Python functions that reach listed operations only in C++: cast as the operation they are.
+COMPOSITES = {"cross_entropy": "float32", "interpolate": "float32"}
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _Region:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self.inside_op = False
+
+    def lower(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == self.dtype or t.dtype == torch.float64:
+            return t
+        if t.is_leaf and t.requires_grad:  # a weight: cast once, kept until the region ends
+            hit = self.cache.get(id(t))
+            if hit is not None and hit[0]() is t:
+                return hit[1]
+            cast = t.to(self.dtype)
+            self.cache[id(t)] = (weakref.ref(t), cast)
+            return cast
+        return t.to(self.dtype)
+
+
+_state = threading.local()
+
+
+def _region() -> _Region | None:
+    return getattr(_state, "region", None)
+
+
+def _map(args: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(args, torch.Tensor):
+        return fn(args)
+    if isinstance(args, (list, tuple)):
+        return type(args)(_map(a, fn) for a in args)
+    return args
+
+
+def _floats(args: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for a in args if isinstance(args, (list, tuple)) else (args,):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(_floats(a))
+    return found
+
+
+def _wrap(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    def autocast_op(*args: Any, **kwargs: Any) -> Any:
+        region = _region()
+        if region is None or region.inside_op:
+            return original(*args, **kwargs)
+        if policy == "lower":
+            args, kwargs = (
+                _map(args, region.lower),
+                {k: _map(v, region.lower) for k, v in kwargs.items()},
+            )
+        elif policy == "float32":
+            up = lambda t: t.float() if t.dtype in _HALF else t  # noqa: E731
+            args, kwargs = _map(args, up), {k: _map(v, up) for k, v in kwargs.items()}
+        elif policy == "float32_output":
+            first = args[0] if args else None
+            if (
+                isinstance(first, torch.Tensor)
+                and first.dtype in _HALF
+                and kwargs.get("dtype") is None
+            ):
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif policy == "promote":
+            floats = _floats(args) + _floats(list(kwargs.values()))
+            if floats:
+                widest = max((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
+                to = lambda t: t.to(widest) if t.is_floating_point() else t  # noqa: E731
+                args, kwargs = _map(args, to), {k: _map(v, to) for k, v in kwargs.items()}
+        region.inside_op = True  # inside an autocast kernel nothing is cast again
+        try:
+            return original(*args, **kwargs)
+        finally:
+            region.inside_op = False
+
+    autocast_op.__wrapped__ = original  # type: ignore[attr-defined]
+    return autocast_op
+
+
+def _entry_points() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, policy) for every Python entry point of a listed operation."""
+    policies = {
+        **dict.fromkeys(LOWER_PRECISION, "lower"),
+        **dict.fromkeys(FLOAT32, "float32"),
+        **dict.fromkeys(FLOAT32_OUTPUT, "float32_output"),
+        **dict.fromkeys(PROMOTE, "promote"),
+    }
+    found = []
+    for name, policy in policies.items():
+        for owner in (F, torch, torch.Tensor):
+            if callable(getattr(owner, name, None)):
+                found.append((owner, name, policy))
+        short = name.removeprefix("linalg_")
+        if name.startswith("linalg_") and callable(getattr(torch.linalg, short, None)):
+            found.append((torch.linalg, short, policy))
+    found += [(torch.Tensor, "__matmul__", "lower"), (torch.Tensor, "__rmatmul__", "lower")]
+    found += [(torch.Tensor, "__pow__", "float32"), (torch.Tensor, "__rpow__", "float32")]
+    found += [(F, name, policy) for name, policy in COMPOSITES.items()]
+    return found
+
+
+_lock = threading.Lock()
+_INHERITED = object()
+
+
+@contextlib.contextmanager
+def emulated(dtype: torch.dtype) -> Iterator[None]:
+    """Autocast to ``dtype`` with CUDA's policy, for the code in the block. Not for use while
+    other threads run torch code: the entry points are patched for the block's duration."""
+    if dtype not in _HALF:
+        raise ValueError(f"autocast casts to float16 or bfloat16, not {dtype}.")
+    if _region() is not None:  # nested: the outer region's cache lives on, as in autocast
+        yield
+        return
+    with _lock:
+        patched = []
+        try:
+            for owner, name, policy in _entry_points():
+                own = owner.__dict__.get(name, _INHERITED)  # Tensor methods live on TensorBase
+                setattr(owner, name, _wrap(getattr(owner, name), policy))
+                patched.append((owner, name, own))
+            _state.region = _Region(dtype)
+            yield
+        finally:
+            _state.region = None
+            for owner, name, own in reversed(patched):
+                if own is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, own)
