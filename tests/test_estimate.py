@@ -51,7 +51,8 @@ def tokens(batch: int) -> torch.Tensor:
 )
 def test_the_meta_run_counts_the_same_tensor_bytes_as_a_real_cpu_run(changes: dict) -> None:
     config = RunConfig(batch_size=8, **changes)
-    predicted = estimate(gpt, tokens, None, config, gpu=None, workspace=0)
+    # meta's own attention kernel is the CPU's: the comparison is exact
+    predicted = estimate(gpt, tokens, None, config, gpu=None, workspace=0, cuda_kernels=False)
     real = run(gpt, tokens, None, config.with_(device="cpu"), foreach=True).report
     assert real is not None and real.breakdown is not None
     assert predicted.tensors.breakdown is not None
@@ -261,3 +262,52 @@ def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
         per_rank(e, n, "pipeline")
     with pytest.raises(ValueError, match="world_size"):
         per_rank(e, 0)
+
+
+def test_attention_runs_the_kernel_cuda_would_pick_and_saves_no_attention_matrix() -> None:
+    from memlab.estimate.kernels import cuda_attention
+
+    b, h, n, d = 2, 4, 256, 32
+    q, k, v = (torch.empty(b, h, n, d, device="meta", requires_grad=True) for _ in range(3))
+    mask = torch.ones(n, n, dtype=torch.bool, device="meta").tril()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    plain = memlab.graph_of(sdpa(q, k, v, attn_mask=mask)).activation_bytes
+    with cuda_attention():
+        efficient = memlab.graph_of(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        )
+        half = [
+            torch.empty(b, h, n, d, device="meta", dtype=torch.float16, requires_grad=True)
+            for _ in range(3)
+        ]
+        flash = memlab.graph_of(
+            torch.nn.functional.scaled_dot_product_attention(*half, is_causal=True)
+        )
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # restored
+    assert plain >= b * h * n * n * 4  # math: the attention matrix itself is saved
+    # the memory-efficient kernel: its output, a log-sum-exp per row, the float mask it was
+    # given, and the dropout generator's seed and offset
+    expected = b * h * n * d * 4 + b * h * n * 4 + n * n * 4 + 2 * 8
+    assert efficient.activation_bytes == expected
+    ops = [node.op for node in efficient.nodes]
+    assert "ScaledDotProductEfficientAttentionBackward0" in ops
+    assert "ScaledDotProductFlashAttentionBackward0" in [node.op for node in flash.nodes]
+    # FlashAttention (float16, causal, no mask): its output, the log-sum-exp, the RNG state
+    assert flash.activation_bytes == b * h * n * d * 2 + b * h * n * 4 + 2 * 8 + 8
+
+
+def test_a_transformer_estimate_saves_far_less_than_the_math_attention_would() -> None:
+    def long() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(vocab=500, ctx=512, width=64, layers=2)
+
+    def ids(batch: int) -> torch.Tensor:
+        return torch.randint(0, 500, (batch, 512))
+
+    config = RunConfig(batch_size=2, optimizer="sgd")
+    predicted = estimate(long, ids, None, config, gpu=None, workspace=0).tensors
+    math = run(long, ids, None, config.with_(device="cpu")).report  # the CPU runs math attention
+    assert predicted.breakdown is not None and math is not None and math.breakdown is not None
+    acts = Category.ACTIVATION
+    matrices = 2 * 2 * 1 * 512 * 512 * 4  # layers × batch × heads × L × L floats, at least
+    assert math.breakdown.highest[acts] - predicted.breakdown.highest[acts] >= matrices

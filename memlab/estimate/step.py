@@ -14,8 +14,11 @@ the single-tensor one, whose temporaries differ).
 AMP configurations run under `memlab.estimate.autocast.emulated`, CUDA's autocast policy applied
 in Python (real autocast does not run on ``meta``); the gradient scaler's few bytes are left out.
 
-What is not modelled yet, and said so in every estimate's notes: cuDNN and attention kernels whose
-CUDA versions save or allocate differently from their meta versions.
+``F.scaled_dot_product_attention`` runs the kernel CUDA would pick (`memlab.estimate.kernels`):
+FlashAttention or the memory-efficient kernel, which save no attention matrix.
+
+What is not modelled yet, and said so in every estimate's notes: cuDNN (convolution workspaces,
+RNNs), and other kernels whose CUDA versions save or allocate differently from their meta ones.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
+from memlab.estimate.kernels import cuda_attention
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
@@ -202,6 +206,7 @@ def estimate(
     *,
     gpu: str | GPU | int | None = "H100 80GB",
     workspace: int | None = None,
+    cuda_kernels: bool = True,
 ) -> Estimate:
     """Predict one step of ``config`` on a GPU, without a GPU.
 
@@ -213,6 +218,8 @@ def estimate(
         bytes, or None. It sets the memory the simulated allocator may reserve and the cuBLAS
         workspace.
     workspace: the cuBLAS workspace in bytes, overriding the GPU's default (0: none).
+    cuda_kernels: run attention through the kernels CUDA would pick (False: meta's own, which
+        are the CPU's; useful to compare an estimate with a CPU run).
     """
     config = (config or RunConfig()).with_(device="meta", budget=None)
     card = find_gpu(gpu)
@@ -249,7 +256,10 @@ def estimate(
     ledger = default_ledger()
     ledger.attach(replay)
     try:
-        with track(META):  # accounting for the whole run, warm-up included, for the replay
+        # accounting for the whole run, warm-up included, for the replay; attention through the
+        # kernels CUDA would pick
+        kernels = cuda_attention() if cuda_kernels else contextlib.nullcontext()
+        with track(META), kernels:
             result = run(
                 on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring, foreach=True
             )
@@ -277,7 +287,7 @@ def _prediction(
     after = during[-1]
     notes = [
         f"includes a cuBLAS workspace of {fmt_bytes(workspace)}" if workspace else "",
-        "not modelled: cuDNN workspaces, CUDA-only kernels' saved tensors (attention, RNNs)",
+        "not modelled: cuDNN workspaces and RNNs, other CUDA-only kernels",
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
     ]
     if replay.failed is not None:
