@@ -77,7 +77,7 @@ def cuda_attention() -> Iterator[None]:
     """Within the block, ``F.scaled_dot_product_attention`` (also as ``nn.MultiheadAttention``
     and ``nn.Transformer*`` call it) runs the kernel CUDA would pick."""
     before = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = attention  # type: ignore[assignment]
+    F.scaled_dot_product_attention = attention
     try:
         yield
     finally:
