@@ -1,0 +1,282 @@
+"""The estimator against a real GPU: six models from torch.nn in seven configurations each.
+
+On a machine with CUDA, each case runs twice: measured by `memlab.whatif.run` on the GPU, in a
+fresh process so the allocator starts empty (a warm-up step, then the measured step, whose peak
+allocated and peak reserved are the allocator's own counters), and predicted by
+`memlab.estimate.estimate` for the same GPU. The table gives both and the errors, with two
+reference points where they apply: the "4 × the model's size" rule of thumb for Adam training
+(accelerate's estimate), and PyTorch's MemTracker under FakeTensorMode when it imports.
+
+    python benchmarks/validate_estimator.py --out benchmarks/results/estimator-gpu.md
+
+Without CUDA, ``--dry-run`` prints the predictions only (a test runs it that way, to keep the
+script working on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import emit, header
+
+import memlab  # noqa: F401  (the estimator's package)
+from memlab.estimate import GPU, GPUS, estimate
+from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
+from memlab.examples import GPT, resnet18
+from memlab.whatif import RunConfig, run
+
+MiB = 2**20
+
+
+# -- the models: built from torch.nn only, no weights downloaded --------------------------------
+class ViT(nn.Module):
+    def __init__(self, size: int = 224, patch: int = 16, width: int = 384, layers: int = 6):
+        super().__init__()
+        self.patches = nn.Conv2d(3, width, patch, stride=patch)
+        n = (size // patch) ** 2
+        self.pos = nn.Parameter(torch.zeros(1, n, width))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                width, width // 64, 4 * width, batch_first=True, norm_first=True, activation="gelu"
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patches(x).flatten(2).transpose(1, 2) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(self.norm(h).mean(1))
+        return out
+
+
+class Encoder(nn.Module):
+    """A BERT-base-shaped encoder (fewer layers)."""
+
+    def __init__(self, vocab: int = 30522, ctx: int = 256, width: int = 768, layers: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(ctx, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 12, 4 * width, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h[:, 0])
+        return out
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self, vocab: int = 10000, width: int = 512, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, width, layers, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.rnn(self.emb(ids))[0])
+        return out
+
+
+def _ids(vocab: int, length: int) -> Callable[[int], torch.Tensor]:
+    return lambda b: torch.randint(0, vocab, (b, length), device="cuda")
+
+
+def _images(size: int) -> Callable[[int], torch.Tensor]:
+    return lambda b: torch.randn(b, 3, size, size, device="cuda")
+
+
+def _rows(width: int) -> Callable[[int], torch.Tensor]:
+    return lambda b: torch.randn(b, width, device="cuda")
+
+
+Checkpoint = str | tuple[str, ...] | None
+#: name → (model_fn, input_fn, batch, what to checkpoint: "auto", module paths, or None for a
+#: model without blocks worth checkpointing)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], int, Checkpoint]] = {
+    "mlp": (
+        lambda: nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU()) for _ in range(8)]),
+        _rows(2048),
+        512,
+        "auto",
+    ),
+    # the BasicBlocks of memlab.examples.resnet18 sit at 4..11 of its Sequential
+    "resnet18": (resnet18, _images(224), 32, tuple(str(i) for i in range(4, 12))),
+    "vit-s/16": (ViT, _images(224), 32, "auto"),
+    "encoder (bert-base width)": (Encoder, _ids(30522, 256), 16, "auto"),
+    "decoder (gpt-2 small)": (lambda: GPT(vocab=50257, ctx=512), _ids(50257, 512), 4, "auto"),
+    "lstm": (LSTMTagger, _ids(10000, 128), 32, None),
+}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fp32 sgd": {"optimizer": "sgd"},
+    "fp32 adam": {"optimizer": "adam"},
+    "amp fp16 adam": {"optimizer": "adam", "amp": "fp16"},
+    "amp bf16 adam": {"optimizer": "adam", "amp": "bf16"},
+    "checkpoint adam": {"optimizer": "adam", "checkpoint": "auto"},
+    "no_grad": {"mode": "no_grad"},
+    "eval with grad": {"mode": "train", "retention": "attached", "iterations": 1},
+}
+
+
+def config(model: str, name: str) -> RunConfig | None:
+    """The case's configuration, or None where it does not apply (checkpointing an LSTM)."""
+    _, _, batch, checkpoint = MODELS[model]
+    changes = dict(CONFIGS[name])
+    if "checkpoint" in changes:
+        if checkpoint is None:
+            return None
+        changes["checkpoint"] = checkpoint
+    return RunConfig(batch_size=batch, **changes)
+
+
+def this_gpu() -> GPU:
+    props = torch.cuda.get_device_properties(0)
+    for g in GPUS.values():
+        if g.name.split()[0] in props.name and abs(g.memory - props.total_memory) < 4 * 2**30:
+            return g
+    workspace = HOPPER_WORKSPACE if props.major >= 9 else PRE_HOPPER_WORKSPACE
+    return GPU(props.name, props.total_memory, workspace)
+
+
+def measure(model: str, name: str) -> dict[str, Any]:
+    """One case on the GPU, in this (fresh) process."""
+    model_fn, input_fn, _, _ = MODELS[model]
+    case = config(model, name)
+    assert case is not None
+
+    def on_gpu() -> nn.Module:
+        return model_fn().cuda()
+
+    r = run(on_gpu, input_fn, None, case.with_(device="cuda"))
+    if r.report is None:
+        return {"error": r.error}
+    return {"peak_allocated": r.report.peak_allocated, "peak_reserved": r.report.peak_reserved}
+
+
+def predict(model: str, name: str, gpu: GPU | str) -> dict[str, Any]:
+    model_fn, input_fn, _, _ = MODELS[model]
+    case = config(model, name)
+    assert case is not None
+    try:
+        e = estimate(model_fn, input_fn, None, case, gpu=gpu)
+    except Exception as exc:  # a case the estimator cannot run is a row, not a crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"peak_allocated": e.peak_allocated, "peak_reserved": e.peak_reserved}
+
+
+def rule_of_thumb(model: str, name: str) -> int | None:
+    """accelerate's training estimate: 4 × the fp32 model's bytes for Adam (weights, gradients,
+    two moments); the model's bytes for inference."""
+    with torch.device("meta"):
+        size = sum(p.numel() * p.element_size() for p in MODELS[model][0]().parameters())
+    if "adam" in name:
+        return 4 * size
+    return size if CONFIGS[name].get("mode") == "no_grad" else None
+
+
+def error(predicted: int | None, real: int | None) -> float | None:
+    if predicted is None or not real:
+        return None
+    return (predicted - real) / real
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the Markdown table here")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--dry-run", action="store_true", help="predictions only (no GPU needed)")
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:  # the child process of one measured case
+        print(json.dumps(measure(*args.one)))
+        return
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no GPU here: use --dry-run for the predictions alone")
+    gpu: GPU | str = this_gpu() if not args.dry_run else "H100 80GB"
+    rows = []
+    for model in args.models:
+        for name in args.configs:
+            if config(model, name) is None:
+                continue
+            predicted = predict(model, name, gpu)
+            real: dict[str, Any] = {}
+            if not args.dry_run:
+                child = subprocess.run(
+                    [sys.executable, __file__, "--one", model, name],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                lines = child.stdout.strip().splitlines()
+                real = json.loads(lines[-1]) if lines else {"error": child.stderr[-500:]}
+            rows.append({"model": model, "config": name, "real": real, "predicted": predicted})
+            print(model, name, real, predicted, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    emit(table(rows, gpu, args.dry_run), args.out)
+
+
+def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
+    name = gpu if isinstance(gpu, str) else gpu.describe()
+    lines = header(f"The estimator against {'nothing (dry run)' if dry else name}")
+    lines += [
+        "| model | config | real peak alloc | predicted | error | real peak reserved | "
+        "predicted | error | 4× rule error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    alloc_errors, reserved_errors = [], []
+
+    def mib(n: int | None) -> str:
+        return "" if n is None else f"{n / MiB:,.1f} MiB"
+
+    def pct(x: float | None) -> str:
+        return "" if x is None else f"{x:+.1%}"
+
+    for r in rows:
+        real, pred = r["real"], r["predicted"]
+        ea = error(pred.get("peak_allocated"), real.get("peak_allocated"))
+        er = error(pred.get("peak_reserved"), real.get("peak_reserved"))
+        rule = error(rule_of_thumb(r["model"], r["config"]), real.get("peak_allocated"))
+        if ea is not None:
+            alloc_errors.append(abs(ea))
+        if er is not None:
+            reserved_errors.append(abs(er))
+        lines.append(
+            f"| {r['model']} | {r['config']} | {mib(real.get('peak_allocated'))} | "
+            f"{mib(pred.get('peak_allocated')) or pred.get('error', '')} | {pct(ea)} | "
+            f"{mib(real.get('peak_reserved'))} | {mib(pred.get('peak_reserved'))} | {pct(er)} | "
+            f"{pct(rule)} |"
+        )
+    if alloc_errors:
+        lines += [
+            "",
+            f"Peak allocated: median error {statistics.median(alloc_errors):.1%}, worst "
+            f"{max(alloc_errors):.1%} (targets: 3 %, 10 %). Peak reserved: median "
+            f"{statistics.median(reserved_errors):.1%} (target: 8 %).",
+        ]
+    return lines
+
+
+if __name__ == "__main__":
+    main()
