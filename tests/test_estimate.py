@@ -17,7 +17,7 @@ from memlab.estimate import GPUS, estimate
 from memlab.estimate.allocator import SMALL_BUFFER, round_size
 from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE, GiB
 from memlab.examples import GPT
-from memlab.whatif import RunConfig, run
+from memlab.whatif import RunConfig, WhatIfError, run
 
 WIDTH = 64
 
@@ -210,6 +210,9 @@ def test_the_emulated_policy_is_the_installed_pytorchs() -> None:
 
 
 def test_bad_requests_get_errors_that_say_what_to_do() -> None:
+    existing = mlp()
+    with pytest.raises(WhatIfError, match=r"already exists \(on cpu\).*must build the model"):
+        estimate(lambda: existing, rows, None, RunConfig(optimizer="sgd"))
     with pytest.raises(ValueError, match=r"unknown GPU 'V100'.*H100 80GB"):
         estimate(mlp, rows, None, RunConfig(), gpu="V100")
     with pytest.raises(ValueError, match="pass a budget"):

@@ -235,6 +235,14 @@ def estimate(
     def on_meta_model() -> torch.nn.Module:
         with _on_meta():
             model = model_fn()
+        if isinstance(model, torch.nn.Module):
+            real = {str(p.device) for p in model.parameters() if p.device != META}
+            if real:
+                raise WhatIfError(
+                    f"model_fn returned a model that already exists (on {', '.join(sorted(real))}):"
+                    " for an estimate, model_fn must build the model, so that it can be built on "
+                    "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
+                )
         if not units and isinstance(model, torch.nn.Module):
             named = dict(model.named_modules())
             units.extend(
