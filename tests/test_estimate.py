@@ -165,6 +165,22 @@ def test_amp_on_meta_saves_what_autocast_saves_on_a_real_cpu() -> None:
     assert "autocast emulated" in " ".join(bf16.notes)
 
 
+def test_amp_with_checkpointing_recomputes_under_the_same_autocast() -> None:
+    # Checkpointing recomputes each block in backward; real autocast re-enters for it, and the
+    # emulation must too, or the recomputed tensors come out float32 and checkpoint refuses them.
+    def blocks() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[mlp() for _ in range(3)])
+
+    config = RunConfig(batch_size=32, amp="bf16", checkpoint="auto", optimizer="sgd")
+    predicted = estimate(blocks, rows, None, config, gpu=None, workspace=0).tensors
+    real = run(blocks, rows, None, config.with_(device="cpu"), foreach=True).report
+    assert real is not None and real.breakdown is not None and predicted.breakdown is not None
+    assert predicted.breakdown.highest == real.breakdown.highest
+    assert abs(predicted.peak_allocated - real.peak_allocated) <= 0.005 * real.peak_allocated
+    assert torch.utils.checkpoint.checkpoint.__name__ == "checkpoint"  # restored
+
+
 def test_the_autocast_emulation_casts_a_shared_weight_once_and_restores_torch() -> None:
     from memlab.estimate.autocast import emulated
 

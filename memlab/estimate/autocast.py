@@ -22,6 +22,10 @@ Casting happens where Python code calls these operations (``torch.nn.functional`
 Operations only C++ code reaches, inside another operation's implementation, are not cast: the
 same as real autocast for composite operations on the lists, but not for the few composites off
 the lists that call listed ones in C++ (``cross_entropy`` and ``interpolate`` are handled).
+
+``torch.utils.checkpoint.checkpoint`` (and ``checkpoint_sequential``, which calls it) is wrapped
+too, so that a checkpointed region's recomputation in backward runs under the same emulated
+autocast as its forward, as real checkpointing does for real autocast.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+import torch.utils.checkpoint
 
 LOWER_PRECISION = [
     "_convolution",
@@ -263,6 +268,21 @@ _lock = threading.Lock()
 _INHERITED = object()
 
 
+def _recomputed_in_region(checkpoint: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+    """``torch.utils.checkpoint.checkpoint`` whose recomputation, in backward, runs under the
+    same emulated autocast as the forward did (real checkpointing does this for real autocast;
+    it cannot know of the emulation)."""
+
+    def checkpoint_in_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def under_autocast(*a: Any, **k: Any) -> Any:
+            with emulated(dtype):  # in forward: the region already open; in backward: reopened
+                return function(*a, **k)
+
+        return checkpoint(under_autocast, *args, **kwargs)
+
+    return checkpoint_in_region
+
+
 @contextlib.contextmanager
 def emulated(dtype: torch.dtype) -> Iterator[None]:
     """Autocast to ``dtype`` with CUDA's policy, for the code in the block. Not for use while
@@ -279,6 +299,9 @@ def emulated(dtype: torch.dtype) -> Iterator[None]:
                 own = owner.__dict__.get(name, _INHERITED)  # Tensor methods live on TensorBase
                 setattr(owner, name, _wrap(getattr(owner, name), policy))
                 patched.append((owner, name, own))
+            ck = torch.utils.checkpoint
+            patched.append((ck, "checkpoint", ck.checkpoint))
+            ck.checkpoint = _recomputed_in_region(ck.checkpoint, dtype)
             _state.region = _Region(dtype)
             yield
         finally:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memlab.core.categories import Category
 from memlab.core.devices import DeviceError, resolve
@@ -299,7 +299,8 @@ def _checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[Non
             original = module.forward
 
             def forward(*args: Any, _f: Callable[..., Any] = original, **kw: Any) -> Any:
-                return torch_checkpoint(_f, *args, use_reentrant=False, **kw)
+                # looked up at each call: the estimator's autocast emulation wraps it
+                return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, **kw)
 
             module.forward = forward
             wrapped.append(module)
