@@ -5,7 +5,8 @@ fresh process so the allocator starts empty (a warm-up step, then the measured s
 allocated and peak reserved are the allocator's own counters), and predicted by
 `memlab.estimate.estimate` for the same GPU. The table gives both and the errors, with two
 reference points where they apply: the "4 × the model's size" rule of thumb for Adam training
-(accelerate's estimate), and PyTorch's MemTracker under FakeTensorMode when it imports.
+(accelerate's estimate), PyTorch's MemTracker under FakeTensorMode (a private API: blank where it
+cannot run a case), and torchinfo's "Estimated Total Size" (when torchinfo is installed).
 
     python benchmarks/validate_estimator.py --out benchmarks/results/estimator-gpu.md
 
@@ -33,6 +34,7 @@ from common import emit, header
 import memlab  # noqa: F401  (the estimator's package)
 from memlab.estimate import GPU, GPUS, estimate
 from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
+from memlab.estimate.step import redirected
 from memlab.examples import GPT, resnet18
 from memlab.whatif import RunConfig, run
 
@@ -183,6 +185,65 @@ def predict(model: str, name: str, gpu: GPU | str) -> dict[str, Any]:
     return {"peak_allocated": e.peak_allocated, "peak_reserved": e.peak_reserved}
 
 
+def memtracker(model: str, name: str, device: str) -> int | None:
+    """PyTorch's MemTracker (a private API) under FakeTensorMode: the peak of two steps of the
+    case, by its own accounting, on ``device`` ("cuda" on a GPU machine; "cpu" in a dry run)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:
+        return None
+    case = config(model, name)
+    assert case is not None
+    if case.checkpoint != "off" or case.retention != "off":
+        return None  # the runner's wrappers are not reproduced here
+    model_fn, input_fn, batch, _ = MODELS[model]
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(case.amp)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), redirected(device):
+            net = model_fn()
+            train = case.mode == "train"
+            opt = torch.optim.Adam(net.parameters(), foreach=True) if train else None
+            if train and case.optimizer == "sgd":
+                opt = torch.optim.SGD(net.parameters(), lr=1e-3, foreach=True)
+            tracker = MemTracker()
+            tracker.track_external(net, *([opt] if opt else []))
+            with tracker:
+                for i in range(2):  # a warm-up step, then the step (as the runner does)
+                    if i:
+                        tracker.reset_mod_stats()
+                    with torch.autocast(device, dtype=amp, enabled=amp is not None):
+                        if train:
+                            loss = net(input_fn(batch)).float().square().mean()
+                        else:
+                            with torch.no_grad():
+                                net(input_fn(batch))
+                    if train and opt is not None:
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+            peak = tracker.get_tracker_snapshot("peak")
+    except Exception:  # a private API: a case it cannot run is a blank, not a crash
+        return None
+    return int(sum(d.get("Total", 0) for d in peak.values()))
+
+
+def torchinfo_total(model: str, name: str) -> int | None:
+    """torchinfo's "Estimated Total Size": inputs, twice the layers' outputs, parameters."""
+    try:
+        import torchinfo
+    except ImportError:
+        return None
+    model_fn, input_fn, batch, _ = MODELS[model]
+    try:
+        with redirected("meta"):
+            net, data = model_fn(), input_fn(batch)
+        stats = torchinfo.summary(net, input_data=[data], verbose=0, device="meta")
+    except Exception:
+        return None
+    return int(stats.total_input + stats.total_output_bytes + stats.total_param_bytes)
+
+
 def rule_of_thumb(model: str, name: str) -> int | None:
     """accelerate's training estimate: 4 × the fp32 model's bytes for Adam (weights, gradients,
     two moments); the model's bytes for inference."""
@@ -220,6 +281,8 @@ def main() -> None:
             if config(model, name) is None:
                 continue
             predicted = predict(model, name, gpu)
+            predicted["memtracker"] = memtracker(model, name, "cpu" if args.dry_run else "cuda")
+            predicted["torchinfo"] = torchinfo_total(model, name)
             real: dict[str, Any] = {}
             if not args.dry_run:
                 child = subprocess.run(
@@ -242,8 +305,8 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
     lines = header(f"The estimator against {'nothing (dry run)' if dry else name}")
     lines += [
         "| model | config | real peak alloc | predicted | error | real peak reserved | "
-        "predicted | error | 4× rule error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "predicted | error | 4× rule error | MemTracker | error | torchinfo | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     alloc_errors, reserved_errors = [], []
 
@@ -266,7 +329,10 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             f"| {r['model']} | {r['config']} | {mib(real.get('peak_allocated'))} | "
             f"{mib(pred.get('peak_allocated')) or pred.get('error', '')} | {pct(ea)} | "
             f"{mib(real.get('peak_reserved'))} | {mib(pred.get('peak_reserved'))} | {pct(er)} | "
-            f"{pct(rule)} |"
+            f"{pct(rule)} | {mib(pred.get('memtracker'))} | "
+            f"{pct(error(pred.get('memtracker'), real.get('peak_allocated')))} | "
+            f"{mib(pred.get('torchinfo'))} | "
+            f"{pct(error(pred.get('torchinfo'), real.get('peak_allocated')))} |"
         )
     if alloc_errors:
         lines += [

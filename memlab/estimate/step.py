@@ -163,20 +163,24 @@ class _Replay:
         pass
 
 
-class _OnMeta(TorchFunctionMode):
-    """Sends tensors the user's code puts on a GPU (or the CPU) to ``meta`` instead, so code
+class _Redirect(TorchFunctionMode):
+    """Sends tensors the user's code puts on a GPU (or the CPU) to ``target`` instead, so code
     written for CUDA runs unchanged on a machine without one."""
+
+    def __init__(self, target: torch.device) -> None:
+        super().__init__()
+        self.target = target
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = dict(kwargs or {})
         if "device" in kwargs and kwargs["device"] is not None:
-            kwargs["device"] = META
+            kwargs["device"] = self.target
         if func in (torch.Tensor.cuda, torch.Tensor.cpu):
-            return args[0].to(META)
+            return args[0].to(self.target)
         if func is torch.Tensor.to:
-            args = tuple(META if _is_device(a) else a for a in args)
+            args = tuple(self.target if _is_device(a) else a for a in args)
         return func(*args, **kwargs)
 
 
@@ -193,8 +197,11 @@ def _is_device(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _on_meta() -> Iterator[None]:
-    with torch.device(META), _OnMeta():
+def redirected(device: str | torch.device = META) -> Iterator[None]:
+    """Within the block, tensors are created on ``device`` (default ``meta``), also where the
+    code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"``."""
+    target = torch.device(device)
+    with torch.device(target), _Redirect(target):
         yield
 
 
@@ -233,7 +240,7 @@ def estimate(
     units: list[int] = []
 
     def on_meta_model() -> torch.nn.Module:
-        with _on_meta():
+        with redirected():
             model = model_fn()
         if isinstance(model, torch.nn.Module):
             real = {str(p.device) for p in model.parameters() if p.device != META}
@@ -252,7 +259,7 @@ def estimate(
         return model
 
     def on_meta_input(batch: int) -> Any:
-        with _on_meta():
+        with redirected():
             return input_fn(batch)
 
     def measuring(moment: str) -> None:
