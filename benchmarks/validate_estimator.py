@@ -37,6 +37,7 @@ from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
 from memlab.estimate.step import redirected
 from memlab.examples import GPT, resnet18
 from memlab.whatif import RunConfig, run
+from memlab.whatif.runner import AMP_DTYPES, _loss, _optimizer
 
 MiB = 2**20
 
@@ -198,14 +199,12 @@ def memtracker(model: str, name: str, device: str) -> int | None:
     if case.checkpoint != "off" or case.retention != "off":
         return None  # the runner's wrappers are not reproduced here
     model_fn, input_fn, batch, _ = MODELS[model]
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(case.amp)
+    amp = AMP_DTYPES.get(case.amp)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), redirected(device):
             net = model_fn()
             train = case.mode == "train"
-            opt = torch.optim.Adam(net.parameters(), foreach=True) if train else None
-            if train and case.optimizer == "sgd":
-                opt = torch.optim.SGD(net.parameters(), lr=1e-3, foreach=True)
+            opt = _optimizer(net, case, foreach=True) if train else None  # the runner's
             tracker = MemTracker()
             tracker.track_external(net, *([opt] if opt else []))
             with tracker:
@@ -214,7 +213,7 @@ def memtracker(model: str, name: str, device: str) -> int | None:
                         tracker.reset_mod_stats()
                     with torch.autocast(device, dtype=amp, enabled=amp is not None):
                         if train:
-                            loss = net(input_fn(batch)).float().square().mean()
+                            loss = _loss(None, net(input_fn(batch)))  # the runner's default
                         else:
                             with torch.no_grad():
                                 net(input_fn(batch))

@@ -158,7 +158,8 @@ PROMOTE = [
 #: Python functions that reach listed operations only in C++: cast as the operation they are.
 COMPOSITES = {"cross_entropy": "float32", "interpolate": "float32"}
 
-_HALF = (torch.float16, torch.bfloat16)
+#: The 16-bit floating-point types autocast casts to.
+HALF = (torch.float16, torch.bfloat16)
 
 
 class _Region:
@@ -216,13 +217,13 @@ def _wrap(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
                 {k: _map(v, region.lower) for k, v in kwargs.items()},
             )
         elif policy == "float32":
-            up = lambda t: t.float() if t.dtype in _HALF else t  # noqa: E731
+            up = lambda t: t.float() if t.dtype in HALF else t  # noqa: E731
             args, kwargs = _map(args, up), {k: _map(v, up) for k, v in kwargs.items()}
         elif policy == "float32_output":
             first = args[0] if args else None
             if (
                 isinstance(first, torch.Tensor)
-                and first.dtype in _HALF
+                and first.dtype in HALF
                 and kwargs.get("dtype") is None
             ):
                 kwargs = {**kwargs, "dtype": torch.float32}
@@ -287,7 +288,7 @@ def _recomputed_in_region(checkpoint: Callable[..., Any], dtype: torch.dtype) ->
 def emulated(dtype: torch.dtype) -> Iterator[None]:
     """Autocast to ``dtype`` with CUDA's policy, for the code in the block. Not for use while
     other threads run torch code: the entry points are patched for the block's duration."""
-    if dtype not in _HALF:
+    if dtype not in HALF:
         raise ValueError(f"autocast casts to float16 or bfloat16, not {dtype}.")
     if _region() is not None:  # nested: the outer region's cache lives on, as in autocast
         yield

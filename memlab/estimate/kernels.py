@@ -18,19 +18,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-_HALF = (torch.float16, torch.bfloat16)
+from memlab.estimate.autocast import HALF
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> bool:
     head = q.shape[-1]
     same = q.dtype == k.dtype == v.dtype
-    return mask is None and not gqa and same and q.dtype in _HALF and head % 8 == 0 and head <= 256
+    return mask is None and not gqa and same and q.dtype in HALF and head % 8 == 0 and head <= 256
 
 
 def _efficient_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
     align = 4 if q.dtype == torch.float32 else 8
     same = q.dtype == k.dtype == v.dtype
-    floats = q.dtype in (torch.float32, *_HALF)
+    floats = q.dtype in (torch.float32, *HALF)
     return same and floats and not gqa and q.dim() == 4 and q.shape[-1] % align == 0
 
 

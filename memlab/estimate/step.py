@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,7 +63,11 @@ class Estimate:
     #: Parameter bytes of each repeated block of the model (what sharded data parallelism
     #: would gather one at a time; see `memlab.estimate.distributed`).
     units: tuple[int, ...] = ()
-    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the prediction includes and leaves out (the report's notes)."""
+        return self.report.notes
 
     @property
     def peak_allocated(self) -> int:
@@ -239,18 +243,19 @@ def estimate(
 
     units: list[int] = []
 
-    def on_meta_model() -> torch.nn.Module:
+    def on_meta_model() -> Any:
         with redirected():
-            model = model_fn()
-        if isinstance(model, torch.nn.Module):
-            real = {str(p.device) for p in model.parameters() if p.device != META}
-            if real:
-                raise WhatIfError(
-                    f"model_fn returned a model that already exists (on {', '.join(sorted(real))}):"
-                    " for an estimate, model_fn must build the model, so that it can be built on "
-                    "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
-                )
-        if not units and isinstance(model, torch.nn.Module):
+            model: Any = model_fn()  # not always a Module: run() says what is wrong then
+        if not isinstance(model, torch.nn.Module):
+            return model
+        real = {str(p.device) for p in model.parameters() if p.device != META}
+        if real:
+            raise WhatIfError(
+                f"model_fn returned a model that already exists (on {', '.join(sorted(real))}):"
+                " for an estimate, model_fn must build the model, so that it can be built on "
+                "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
+            )
+        if not units:
             named = dict(model.named_modules())
             units.extend(
                 sum(p.numel() * p.element_size() for p in named[path].parameters())
@@ -330,5 +335,4 @@ def _prediction(
         workspace,
         oom=replay.failed is not None,
         units=units,
-        notes=report.notes,
     )

@@ -20,6 +20,9 @@ from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.whatif.config import RunConfig, WhatIfError
 
+#: The 16-bit type of each AMP setting ("off" has none).
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
 LossFn = Callable[[Any], torch.Tensor]
@@ -132,7 +135,7 @@ def _step(
     scaler: torch.amp.GradScaler | None,
     mark: Callable[[torch.Tensor], None],
 ) -> tuple[list[Any], list[int]]:
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.amp)
+    amp = AMP_DTYPES.get(config.amp)
     # a disabled torch.autocast still asks for the device's autocast type, which "meta" lacks
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     if amp is not None and device.type == "meta":  # the estimator: CUDA's policy, emulated
