@@ -132,6 +132,7 @@ def test_a_model_too_large_for_the_gpu_does_not_fit() -> None:
 
     e = estimate(huge, lambda b: torch.randn(b, 32_768), None, RunConfig(batch_size=2), gpu="T4")
     assert e.oom and not e.fits()
+    assert "predicted for T4 (16 GiB) · does NOT fit" in e._repr_html_()  # in a notebook too
     assert "out of memory" in e.notes[0]
     big = estimate(
         huge, lambda b: torch.randn(b, 32_768), None, RunConfig(batch_size=2), gpu="A100 80GB"
@@ -244,7 +245,8 @@ def test_the_report_says_it_is_a_prediction() -> None:
     text = str(e)
     assert text.startswith("predicted for L4 (24 GiB) · fits")
     assert "PREDICTED" in text and "cuBLAS workspace" in text
-    assert "PREDICTED" in e._repr_html_()
+    html = e._repr_html_()
+    assert "PREDICTED" in html and "predicted for L4 (24 GiB) · fits" in html
     d = e.to_dict()
     assert d["gpu"] == "L4" and d["fits"] is True and d["report"]["source"] == "estimate"
     assert d["peak_reserved"] >= d["peak_allocated"] > 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import torch
@@ -101,18 +102,23 @@ class Estimate:
             "notes": list(self.notes),
         }
 
-    def __str__(self) -> str:
+    def headline(self) -> str:
+        """ "predicted for <GPU> · fits" (or "· does NOT fit"), as text and HTML show it."""
         where = "no particular GPU" if self.gpu is None else self.gpu.describe()
         verdict = ""
         if self.gpu is not None:
             verdict = " · fits" if self.fits() else " · does NOT fit"
-        return f"predicted for {where}{verdict}\n{self.report}"
+        return f"predicted for {where}{verdict}"
+
+    def __str__(self) -> str:
+        return f"{self.headline()}\n{self.report}"
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        html: str = self.report._repr_html_()
-        return html
+        # the verdict first: the report itself has no room for it
+        head = f'<div style="font-weight:bold;margin-bottom:4px">{escape(self.headline())}</div>'
+        return head + self.report._repr_html_()
 
 
 class _Replay:
