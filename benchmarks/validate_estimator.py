@@ -8,7 +8,14 @@ reference points where they apply: the "4 × the model's size" rule of thumb for
 (accelerate's estimate), PyTorch's MemTracker under FakeTensorMode (a private API: blank where it
 cannot run a case), and torchinfo's "Estimated Total Size" (when torchinfo is installed).
 
-    python benchmarks/validate_estimator.py --out benchmarks/results/estimator-gpu.md
+    python benchmarks/validate_estimator.py --out benchmarks/results/estimator-gpu.md \
+        --json benchmarks/results/estimator-gpu.jsonl --jobs 4 --traces /tmp/traces
+
+Each case is a process of its own (``--jobs`` of them at once): measured on the GPU first, with
+the allocator empty, then predicted. ``--json`` gets a line per case as it finishes, so a run cut
+short keeps what it did (``--table-from`` makes the table from it); ``--traces`` keeps each
+measured run's allocator trace, to see offline where a prediction parts from the GPU
+(`memlab.estimate.trace.compare`).
 
 Without CUDA, ``--dry-run`` prints the predictions only (a test runs it that way, to keep the
 script working on machines without a GPU).
@@ -17,7 +24,11 @@ script working on machines without a GPU).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import gzip
+import itertools
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -32,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import emit, header
 
 import memlab  # noqa: F401  (the estimator's package)
-from memlab.estimate import GPU, GPUS, estimate
-from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
+from memlab.estimate import GPU, estimate
+from memlab.estimate.gpus import matching
 from memlab.estimate.step import redirected
 from memlab.examples import GPT, resnet18
 from memlab.whatif import RunConfig, run
@@ -153,15 +164,12 @@ def config(model: str, name: str) -> RunConfig | None:
 
 def this_gpu() -> GPU:
     props = torch.cuda.get_device_properties(0)
-    for g in GPUS.values():
-        if g.name.split()[0] in props.name and abs(g.memory - props.total_memory) < 4 * 2**30:
-            return g
-    workspace = HOPPER_WORKSPACE if props.major >= 9 else PRE_HOPPER_WORKSPACE
-    return GPU(props.name, props.total_memory, workspace)
+    return matching(props.name, props.total_memory, props.major)
 
 
-def measure(model: str, name: str) -> dict[str, Any]:
-    """One case on the GPU, in this (fresh) process."""
+def measure(model: str, name: str, trace: Path | None = None) -> dict[str, Any]:
+    """One case on the GPU, in this (fresh) process; with ``trace``, the allocator's events of
+    the whole run are saved there (gzipped JSON, no stack frames), to compare offline."""
     model_fn, input_fn, _, _ = MODELS[model]
     case = config(model, name)
     assert case is not None
@@ -169,10 +177,52 @@ def measure(model: str, name: str) -> dict[str, Any]:
     def on_gpu() -> nn.Module:
         return model_fn().cuda()
 
-    r = run(on_gpu, input_fn, None, case.with_(device="cuda"))
+    moments: dict[str, int] = {}
+
+    def mark(moment: str) -> None:
+        if trace is not None:  # where the measured step lies in the trace
+            events = torch.cuda.memory._snapshot()["device_traces"]
+            moments[moment] = max(len(t) for t in events)
+
+    if trace is not None:
+        torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)
+    r = run(on_gpu, input_fn, None, case.with_(device="cuda"), on_measure=mark)
     if r.report is None:
         return {"error": r.error}
-    return {"peak_allocated": r.report.peak_allocated, "peak_reserved": r.report.peak_reserved}
+    got = {"peak_allocated": r.report.peak_allocated, "peak_reserved": r.report.peak_reserved}
+    if trace is not None:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        keys = ("action", "addr", "size", "stream")
+        kept = {
+            "model": model,
+            "config": name,
+            "stats": {**got, "measured_from": moments["start"], "measured_to": moments["end"]},
+            "device_traces": [
+                [{k: e[k] for k in keys if k in e} for e in t] for t in snapshot["device_traces"]
+            ],
+        }
+        trace.write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
+    return got
+
+
+def case_file(model: str, name: str) -> str:
+    """A file name for the case: letters, digits, '-' and '.' only."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{model} {name}").strip("-")
+
+
+def one(model: str, name: str, dry: bool, traces: Path | None) -> dict[str, Any]:
+    """One case, in a fresh process: measured first (the allocator starts empty), then
+    predicted for this GPU, with the reference estimates."""
+    real: dict[str, Any] = {}
+    if not dry:
+        trace = None if traces is None else traces / f"{case_file(model, name)}.json.gz"
+        real = measure(model, name, trace)
+    gpu: GPU | str = "H100 80GB" if dry else this_gpu()
+    predicted = predict(model, name, gpu)
+    predicted["memtracker"] = memtracker(model, name, "cpu" if dry else "cuda")
+    predicted["torchinfo"] = torchinfo_total(model, name)
+    return {"model": model, "config": name, "real": real, "predicted": predicted}
 
 
 def predict(model: str, name: str, gpu: GPU | str) -> dict[str, Any]:
@@ -262,41 +312,61 @@ def error(predicted: int | None, real: int | None) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the Markdown table here")
-    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--json", help="write every case's figures here, one JSON line each")
     parser.add_argument("--dry-run", action="store_true", help="predictions only (no GPU needed)")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    parser.add_argument("--jobs", type=int, default=1, help="cases run at once, each a process")
+    parser.add_argument("--traces", help="folder for each measured run's allocator trace")
+    parser.add_argument("--table-from", help="only write the table, from a --json file")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:  # the child process of one measured case
-        print(json.dumps(measure(*args.one)))
+    traces = Path(args.traces) if args.traces else None
+    if args.one:  # the child process of one case
+        print(json.dumps(one(*args.one, args.dry_run, traces)))
+        return
+    if args.table_from:
+        rows = [json.loads(line) for line in Path(args.table_from).read_text().splitlines()]
+        order = {(m, n): i for i, (m, n) in enumerate(itertools.product(MODELS, CONFIGS))}
+        rows.sort(key=lambda r: order.get((r["model"], r["config"]), len(order)))
+        emit(table(rows, rows[0].get("gpu", "?"), not rows[0]["real"]), args.out)
         return
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no GPU here: use --dry-run for the predictions alone")
     gpu: GPU | str = this_gpu() if not args.dry_run else "H100 80GB"
-    rows = []
-    for model in args.models:
-        for name in args.configs:
-            if config(model, name) is None:
-                continue
-            predicted = predict(model, name, gpu)
-            predicted["memtracker"] = memtracker(model, name, "cpu" if args.dry_run else "cuda")
-            predicted["torchinfo"] = torchinfo_total(model, name)
-            real: dict[str, Any] = {}
-            if not args.dry_run:
-                child = subprocess.run(
-                    [sys.executable, __file__, "--one", model, name],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                lines = child.stdout.strip().splitlines()
-                real = json.loads(lines[-1]) if lines else {"error": child.stderr[-500:]}
-            rows.append({"model": model, "config": name, "real": real, "predicted": predicted})
-            print(model, name, real, predicted, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    emit(table(rows, gpu, args.dry_run), args.out)
+    if traces is not None:
+        traces.mkdir(parents=True, exist_ok=True)
+    cases = [(m, n) for m in args.models for n in args.configs if config(m, n) is not None]
+    log = Path(args.json) if args.json else None
+    if log is not None:
+        log.write_text("")
+
+    def child(case: tuple[str, str]) -> dict[str, Any]:
+        command = [sys.executable, __file__, "--one", *case]
+        command += ["--dry-run"] if args.dry_run else []
+        command += ["--traces", str(traces)] if traces is not None else []
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = done.stdout.strip().splitlines()
+        try:
+            row: dict[str, Any] = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            error = {"error": done.stderr.strip().splitlines()[-1:] or ["no output"]}
+            row = {"model": case[0], "config": case[1], "real": error, "predicted": error}
+        row["gpu"] = gpu if isinstance(gpu, str) else gpu.describe()
+        return row
+
+    # Each case is a process of its own: the GPU's allocator counters are per process, so cases
+    # measured side by side do not disturb each other (the GPU has room for several).
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {pool.submit(child, case): case for case in cases}
+        for future in concurrent.futures.as_completed(futures):
+            row = rows[futures[future]] = future.result()
+            print(row["model"], row["config"], row["real"], row["predicted"], flush=True)
+            if log is not None:
+                with log.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    emit(table([rows[c] for c in cases], gpu, args.dry_run), args.out)
 
 
 def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:

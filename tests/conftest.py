@@ -74,6 +74,12 @@ def dispatch_modes() -> int:
     return int(torch._C._len_torch_dispatch_stack())
 
 
+def saved_tensor_hooks() -> int:
+    """1 when default saved-tensor hooks are installed. PyTorch before 2.5 cannot tell: 0."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return 0 if top is None else int(top(False) is not None)
+
+
 def hooks_installed() -> dict[str, int]:
     """Every global hook or mode memlab could leave behind, counted."""
     from torch.nn.modules import module as m
@@ -81,9 +87,7 @@ def hooks_installed() -> dict[str, int]:
 
     return {
         "dispatch modes": dispatch_modes(),
-        "saved-tensor hooks": int(
-            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-        ),
+        "saved-tensor hooks": saved_tensor_hooks(),
         "module forward pre-hooks": len(m._global_forward_pre_hooks),
         "module forward hooks": len(m._global_forward_hooks),
         "optimizer pre-hooks": len(o._global_optimizer_pre_hooks),

@@ -353,13 +353,13 @@ def test_region_with_only_backward_knows_the_gradients() -> None:
 def saved_by_graph(root: object, exclude: set[int]) -> int:
     """Bytes of the unique storages a graph saved, read from its nodes' _saved_* attributes."""
     storages: dict[int, int] = {}
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # holds the nodes: a freed wrapper's id could be reused
     stack = [root]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for name in dir(node):
             if name.startswith("_saved_"):
                 value = getattr(node, name)

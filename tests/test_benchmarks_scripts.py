@@ -13,18 +13,36 @@ SCRIPT = Path(__file__).parent.parent / "benchmarks" / "validate_estimator.py"
 
 @pytest.mark.slow
 def test_the_estimator_validation_script_predicts_every_kind_of_case(tmp_path: Path) -> None:
-    out = tmp_path / "table.md"
+    out, lines = tmp_path / "table.md", tmp_path / "cases.jsonl"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out),
-         "--models", "mlp", "vit-s/16", "lstm",
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--json", str(lines),
+         "--jobs", "2", "--models", "mlp", "vit-s/16", "lstm",
          "--configs", "fp32 adam", "amp bf16 adam", "checkpoint adam", "no_grad"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
+    assert len(lines.read_text().splitlines()) == 11  # a line per case, as each finished
+    # the table again, from those lines alone (what a run cut short leaves)
+    again = tmp_path / "again.md"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--table-from", str(lines), "--out", str(again)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert again.read_text().splitlines()[4:] == table.splitlines()[4:]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "MiB" in line]
     assert len(rows) == 11  # 3 models × 4 configurations, less checkpointing the LSTM
     assert "Error" not in table  # every case ran on the estimator
     # PyTorch's MemTracker (under FakeTensorMode, here on the CPU) fills its column where it can
     adam = next(r for r in rows if r.startswith("| mlp | fp32 adam |"))
     assert "MiB" in adam.split("|")[10], adam
+
+
+def test_the_trace_recorders_cases_run_on_meta() -> None:
+    script = SCRIPT.parent / "record_traces.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--dry-run"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("predicted peak") == 8  # every what-if case of the recorder

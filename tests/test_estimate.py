@@ -98,16 +98,51 @@ def test_small_tensors_take_512_byte_blocks_from_2_mib_segments() -> None:
     assert e.peak_allocated >= e.report.allocated_after
 
 
-def test_the_workspace_is_allocated_once_and_kept() -> None:
+def test_each_cublas_handle_takes_its_workspace_once_and_keeps_it() -> None:
+    # forward and backward run on different threads on a GPU, each with its cuBLAS handle; the
+    # first product with a bias (nn.Linear's addmm) takes cuBLASLt's workspace too
     config = RunConfig(batch_size=4, optimizer="sgd")
     without = estimate(mlp, rows, None, config, gpu=None, workspace=0)
     hopper = estimate(mlp, rows, None, config, gpu="H100 80GB")
     older = estimate(mlp, rows, None, config, gpu="A100 80GB")
-    assert hopper.workspace == HOPPER_WORKSPACE == 32 * 2**20
-    assert hopper.report.allocated_after - without.report.allocated_after == HOPPER_WORKSPACE
-    assert older.report.allocated_after - without.report.allocated_after == PRE_HOPPER_WORKSPACE
-    # 8.125 MiB is under 10 MiB: the allocator gives it a 20 MiB segment
-    assert older.report.reserved_after - without.report.reserved_after == 20 * 2**20
+    assert without.workspaces == () and without.workspace == 0
+    lt = GPUS["H100 80GB"].lt_workspace
+    assert lt == 2**20 and HOPPER_WORKSPACE == 32 * 2**20
+    assert hopper.workspaces == (
+        ("forward", HOPPER_WORKSPACE),
+        ("forward lt", lt),
+        ("backward", HOPPER_WORKSPACE),
+    )
+    # what an H100 with torch 2.11 showed after a training step: 2 × 32 MiB + 1 MiB
+    assert hopper.workspace == 65 * 2**20
+    assert hopper.report.allocated_after - without.report.allocated_after == 65 * 2**20
+    assert older.report.allocated_after - without.report.allocated_after == (
+        2 * PRE_HOPPER_WORKSPACE + lt
+    )
+    assert older.peak_reserved - without.peak_reserved >= 2 * PRE_HOPPER_WORKSPACE + lt
+    assert "32.0 MiB (forward), 1.00 MiB (cuBLASLt), 32.0 MiB (backward)" in hopper.notes[0]
+
+
+def test_inference_takes_only_the_forward_handles_workspaces() -> None:
+    e = estimate(mlp, rows, None, RunConfig(batch_size=4, mode="no_grad"), gpu="H100 80GB")
+    assert [key for key, _ in e.workspaces] == ["forward", "forward lt"]
+    # products without a bias (mm, bmm) take no cuBLASLt workspace
+    e = estimate(
+        lambda: nn.Linear(WIDTH, WIDTH, bias=False),
+        rows,
+        None,
+        RunConfig(batch_size=4, optimizer="sgd"),
+        gpu="H100 80GB",
+    )
+    assert [key for key, _ in e.workspaces] == ["forward", "backward"]
+
+
+def test_a_model_without_matrix_products_takes_no_workspace() -> None:
+    def convs() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+
+    e = estimate(convs, lambda b: torch.randn(b, 3, 16, 16), None, RunConfig(batch_size=2))
+    assert e.workspaces == () and not any("cuBLAS" in n for n in e.notes)
 
 
 def test_code_written_for_cuda_runs_on_meta_and_allocates_nothing_real() -> None:

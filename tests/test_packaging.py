@@ -56,8 +56,8 @@ def tool(name: str) -> str:
 @pytest.mark.parametrize(
     "cmd",
     [
-        ["ruff", "check", "memlab", "tests", "benchmarks"],
-        ["ruff", "format", "--check", "memlab", "tests", "benchmarks"],
+        ["ruff", "check", "memlab", "tests", "benchmarks", "scripts"],
+        ["ruff", "format", "--check", "memlab", "tests", "benchmarks", "scripts"],
         ["mypy"],
     ],
     ids=["ruff-check", "ruff-format", "mypy"],

@@ -3,18 +3,25 @@
 The traces here are written by hand in the snapshot's format, each event following the caching
 allocator's documented rules (2 MiB segments for small requests, 20 MiB for requests under
 10 MiB, larger ones rounded up to 2 MiB; best-fit reuse of freed blocks; segments released only
-by empty_cache). Traces recorded on a GPU are to join them in tests/data/ (none is recorded yet:
-no GPU has been available to this project's test runs).
+by empty_cache).
+
+Real traces, recorded on a GPU by ``benchmarks/record_traces.py``, are stored in
+``tests/data/trace-*.json.gz``; each is replayed through the allocator model, and each recorded
+training step is predicted by the estimator, here on the CPU, against the real allocator's peaks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
-from memlab.estimate.trace import events_of, load, replay, synthetic
+from memlab.estimate import estimate
+from memlab.estimate.trace import compare, events_of, load, read, replay, synthetic
 
 MiB = 2**20
 
@@ -68,3 +75,84 @@ def test_snapshots_and_files_load(tmp_path: Path) -> None:
     assert replay(load(path)).exact
     with pytest.raises(ValueError, match="_record_memory_history"):
         events_of({"segments": []})
+
+
+def test_gzipped_snapshots_load_and_a_window_has_its_own_peaks(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"device_traces": [rules_trace()]}).encode()))
+    assert load(path) == rules_trace()
+    whole = replay(read(path))
+    assert whole.real_peak_reserved == whole.model_peak_reserved == 52 * MiB  # 2 + 20 + 30
+    assert whole.model_peak_allocated == 512 * 2 + 3072 + 4 * MiB + 30 * MiB
+    # events 0-4: the 2 MiB and 20 MiB segments, and the first 5 MiB tensor
+    head = replay(rules_trace(), 0, 5)
+    assert head.real_peak_reserved == head.model_peak_reserved == 22 * MiB
+    assert head.model_peak_allocated == 512 * 2 + 3072 + 5 * MiB
+
+
+def test_a_predicted_stream_is_compared_allocation_by_allocation() -> None:
+    real = synthetic([("alloc", 1, 1000), ("alloc", 2, 4096), ("alloc", 3, 8192)])
+    same = compare(real, real)
+    assert same.same and same.first is None and "same sizes in the same order" in str(same)
+    other = synthetic([("alloc", 1, 1000), ("alloc", 2, 512), ("alloc", 3, 8192)])
+    d = compare(other, real)
+    assert not d.same and d.first == 1
+    assert d.counts == ((4096, 0, 1), (512, 1, 0))  # the larger difference in bytes first
+    assert "first difference at allocation 1: predicted [512, 8192], real [4096, 8192]" in str(d)
+
+
+# -- traces recorded on a GPU ---------------------------------------------------------------
+DATA = Path(__file__).parent / "data"
+RECORDED = sorted(DATA.glob("trace-*.json.gz"))
+
+
+def recorder() -> ModuleType:
+    """benchmarks/record_traces.py, which defines the recorded cases."""
+    path = Path(__file__).parent.parent / "benchmarks" / "record_traces.py"
+    spec = importlib.util.spec_from_file_location("record_traces", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.name for p in RECORDED])
+def test_a_real_trace_replays_through_the_allocator_model(path: Path) -> None:
+    trace: dict[str, Any] = read(path)
+    assert trace["format"] == "memlab-trace/1"
+    stats = trace["stats"]
+    r = replay(trace)
+    # every allocation served as the real allocator served it: from the cache, or from a new
+    # segment of the same size; and the same bytes reserved at the end
+    assert r.first_divergence is None, f"{trace['device']}, torch {trace['torch']}:\n{r}"
+    assert r.model_reserved == r.real_reserved == stats["final_reserved"]
+    if "measured_from" in stats:  # a what-if step: its peaks are the allocator's counters'
+        step = replay(trace, stats["measured_from"], stats["measured_to"])
+        assert step.real_peak_reserved == stats["peak_reserved"]  # the trace agrees with them
+        assert step.model_peak_reserved == stats["peak_reserved"]
+        assert step.model_peak_allocated == stats["peak_allocated"]
+
+
+RUN_TRACES = [p for p in RECORDED if p.name != "trace-rules.json.gz"]
+
+
+@pytest.mark.parametrize("path", RUN_TRACES, ids=[p.name for p in RUN_TRACES])
+def test_the_estimator_predicts_a_recorded_step_on_the_cpu(path: Path) -> None:
+    cases = recorder()
+    trace: dict[str, Any] = read(path)
+    model_fn, input_fn, config = cases.RUNS[trace["case"]]
+    e = estimate(model_fn, input_fn, None, config, gpu=cases.gpu_for(trace), trace=True)
+    stats = trace["stats"]
+    allocated = (e.peak_allocated - stats["peak_allocated"]) / stats["peak_allocated"]
+    reserved = (e.peak_reserved - stats["peak_reserved"]) / stats["peak_reserved"]
+    assert e.trace is not None
+    predicted = events_of(e.trace)[slice(*e.trace["measured"])]
+    real = events_of(trace)[stats["measured_from"] : stats["measured_to"]]
+    where = f"{trace['case']} on {trace['device']}, torch {trace['torch']}:\n" + str(
+        compare(predicted, real)
+    )
+    # the estimator's targets (issue: median 3 % allocated, 8 % reserved)
+    assert abs(allocated) <= 0.03, f"peak allocated off by {allocated:+.1%}; {where}"
+    assert abs(reserved) <= 0.08, f"peak reserved off by {reserved:+.1%}; {where}"

@@ -15,7 +15,8 @@ points of the operations on autocast's lists, while the estimator's step runs on
 
 The op lists are CUDA's (PyTorch's ``AT_FORALL_LOWER_PRECISION_FP``, ``AT_FORALL_FP32``,
 ``AT_FORALL_FP32_SET_OPT_DTYPE`` and ``AT_FORALL_PROMOTE``; a test checks them against the
-installed PyTorch's header); names without a Python entry point are listed for completeness.
+installed PyTorch's header; the lists of 2.4 to 2.13 differ only in ``rms_norm``, which 2.12
+added: see `SINCE`); names without a Python entry point are listed for completeness.
 
 Casting happens where Python code calls these operations (``torch.nn.functional``, ``torch`` and
 ``Tensor`` methods); inside one of them nothing is cast again, as inside an autocast kernel.
@@ -132,6 +133,18 @@ FLOAT32 = [
     "upsample_bicubic2d",
     "_upsample_bicubic2d_aa",
 ]
+#: Operations that joined the lists in a later PyTorch than the oldest memlab supports (2.4),
+#: with the release that added them (read from the releases' ``ATen/autocast_mode.h``). Older
+#: releases leave them off, so the emulation follows the installed PyTorch's policy.
+SINCE = {"rms_norm": (2, 12)}
+
+
+def _installed() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+FLOAT32 = [op for op in FLOAT32 if _installed() >= SINCE.get(op, (0, 0))]
 FLOAT32_OUTPUT = [
     "prod",
     "softmax",

@@ -5,8 +5,9 @@ the ``meta`` device, where tensors have shapes and dtypes but no memory, through
 accounting. Every storage the step creates and frees, in order, is replayed through
 `CachingAllocator`, the model of PyTorch's CUDA caching allocator, which turns requested bytes
 into the blocks ``memory_allocated`` counts and the segments ``memory_reserved`` counts. The
-cuBLAS workspace, which a CUDA run allocates and a meta run does not, is added as the allocator
-would see it.
+cuBLAS and cuBLASLt workspaces, which a CUDA run allocates and a meta run does not, are added
+where the allocator would see them: after the first matrix product of the forward and of the
+backward (`memlab.estimate.kernels.CublasHandles`).
 
 The optimizer runs its ``foreach`` implementation, CUDA's default (on ``meta`` PyTorch would pick
 the single-tensor one, whose temporaries differ).
@@ -24,6 +25,8 @@ RNNs), and other kernels whose CUDA versions save or allocate differently from t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from html import escape
@@ -37,7 +40,7 @@ from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
-from memlab.estimate.kernels import cuda_attention
+from memlab.estimate.kernels import CublasHandles, cuda_attention
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
@@ -58,12 +61,20 @@ class Estimate:
     #: The prediction, as a report: allocated (blocks) and reserved (segments), before, after
     #: and at the peak of the measured step, with the breakdown and timeline of ``tensors``.
     report: MemoryReport
+    #: Bytes of cuBLAS and cuBLASLt workspace the step took (see `workspaces`).
     workspace: int
     #: The simulated allocator ran out of the GPU's usable memory (``gpu.usable``).
     oom: bool = False
     #: Parameter bytes of each repeated block of the model (what sharded data parallelism
     #: would gather one at a time; see `memlab.estimate.distributed`).
     units: tuple[int, ...] = ()
+    #: Each workspace the step took, in order: ("forward", bytes), ("forward lt", bytes), ...
+    workspaces: tuple[tuple[str, int], ...] = ()
+    #: With ``estimate(..., trace=True)``: the predicted allocation stream of the whole run
+    #: (warm-up step included), as a snapshot: ``{"device_traces": [events], "measured":
+    #: [first, end]}``, the measured step's events being ``events[first:end]``. Compare it with a
+    #: real one with `memlab.estimate.trace.compare`.
+    trace: dict[str, Any] | None = None
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -134,6 +145,11 @@ class _Replay:
         self.trace: list[tuple[int, int]] = []
         self.measured_from: int | None = None
         self.measured_to: int | None = None
+        #: The allocation stream, in the format of a CUDA snapshot's ``device_traces``
+        #: (requested sizes; ``addr`` is the storage's serial), to compare with a real trace.
+        self.events: list[dict[str, Any]] = []
+        self.events_from = self.events_to = 0
+        self.sizes: dict[int, int] = {}
 
     def _note(self) -> None:
         s = self.allocator.stats
@@ -146,13 +162,20 @@ class _Replay:
             self.handles[key] = self.allocator.malloc(nbytes)
         except SimulatedOutOfMemoryError as e:
             self.failed = str(e)
+        self.events.append({"action": "alloc", "addr": key, "size": nbytes, "stream": 0})
+        self.sizes[key] = nbytes
         self._note()
+
+    def _freed(self, key: int) -> None:
+        size = self.sizes.pop(key, 0)
+        self.events.append({"action": "free_completed", "addr": key, "size": size, "stream": 0})
 
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
         old = self.handles.pop(serial, None)
         if old is not None:  # a storage that grew: the allocator sees a new block
             size = self.allocator.block_size(old)
             self.allocator.free(old)
+            self._freed(serial)
             self.malloc(serial, size + delta)
         elif delta > 0:
             self.malloc(serial, delta)
@@ -161,6 +184,7 @@ class _Replay:
         handle = self.handles.pop(serial, None)
         if handle is not None:
             self.allocator.free(handle)
+            self._freed(serial)
             self._note()
 
     def on_discovered(self, serial: int, nbytes: int) -> None:
@@ -207,6 +231,21 @@ def _is_device(value: Any) -> bool:
 
 
 @contextlib.contextmanager
+def _meta_device_module() -> Iterator[None]:
+    """``torch.utils.checkpoint`` looks up a device module by the tensors' device type
+    (``torch.cuda`` for CUDA). PyTorch before 2.5 has no ``torch.meta``: give it an empty one
+    for the block, so checkpointing runs on meta (with no device random state to save)."""
+    if hasattr(torch, "meta"):
+        yield
+        return
+    torch.meta = types.ModuleType("torch.meta")  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del torch.meta  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
 def redirected(device: str | torch.device = META) -> Iterator[None]:
     """Within the block, tensors are created on ``device`` (default ``meta``), also where the
     code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"``."""
@@ -224,6 +263,7 @@ def estimate(
     gpu: str | GPU | int | None = "H100 80GB",
     workspace: int | None = None,
     cuda_kernels: bool = True,
+    trace: bool = False,
 ) -> Estimate:
     """Predict one step of ``config`` on a GPU, without a GPU.
 
@@ -234,9 +274,11 @@ def estimate(
     gpu: a name from `memlab.estimate.GPUS` ("T4", "A100 80GB", "H100 80GB", ...), a size in
         bytes, or None. It sets the memory the simulated allocator may reserve and the cuBLAS
         workspace.
-    workspace: the cuBLAS workspace in bytes, overriding the GPU's default (0: none).
+    workspace: the cuBLAS workspace of each handle in bytes, overriding the GPU's default (0: no
+        cuBLAS or cuBLASLt workspace).
     cuda_kernels: run attention through the kernels CUDA would pick (False: meta's own, which
         are the CPU's; useful to compare an estimate with a CPU run).
+    trace: keep the predicted allocation stream (`Estimate.trace`).
     """
     config = (config or RunConfig()).with_(device="meta", budget=None)
     card = find_gpu(gpu)
@@ -244,8 +286,14 @@ def estimate(
         workspace = 0 if card is None else card.workspace
     allocator = CachingAllocator(capacity=None if card is None else card.usable)
     replay = _Replay(str(META), allocator)
-    if workspace:  # taken on the first matrix product and kept: from the start, in this model
-        replay.malloc(-1, workspace)
+    lt = 0 if card is None or not workspace else card.lt_workspace
+    taken: list[tuple[str, int]] = []
+
+    def take_workspace(key: str) -> None:  # kept for the process's life: never freed
+        size = lt if key.endswith(" lt") else workspace
+        if size:
+            replay.malloc(-1 - len(taken), size)
+            taken.append((key, size))
 
     units: list[int] = []
 
@@ -276,8 +324,10 @@ def estimate(
     def measuring(moment: str) -> None:
         if moment == "start":
             replay.measured_from = len(replay.trace)
+            replay.events_from = len(replay.events)
         else:
             replay.measured_to = len(replay.trace)
+            replay.events_to = len(replay.events)
 
     ledger = default_ledger()
     ledger.attach(replay)
@@ -285,7 +335,7 @@ def estimate(
         # accounting for the whole run, warm-up included, for the replay; attention through the
         # kernels CUDA would pick
         kernels = cuda_attention() if cuda_kernels else contextlib.nullcontext()
-        with track(META), kernels:
+        with track(META), kernels, CublasHandles(take_workspace), _meta_device_module():
             result = run(
                 on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring, foreach=True
             )
@@ -294,7 +344,14 @@ def estimate(
     tensors = result.report
     if tensors is None or replay.measured_from is None:
         raise WhatIfError(f"the step did not run: {result.error}")
-    return _prediction(config, card, tensors, replay, workspace, tuple(units))
+    e = _prediction(config, card, tensors, replay, tuple(taken), tuple(units))
+    if trace:
+        stream = {
+            "device_traces": [replay.events],
+            "measured": [replay.events_from, replay.events_to],
+        }
+        e = dataclasses.replace(e, trace=stream)
+    return e
 
 
 def _prediction(
@@ -302,7 +359,7 @@ def _prediction(
     card: GPU | None,
     tensors: MemoryReport,
     replay: _Replay,
-    workspace: int,
+    workspaces: tuple[tuple[str, int], ...],
     units: tuple[int, ...],
 ) -> Estimate:
     assert replay.measured_from is not None
@@ -312,7 +369,7 @@ def _prediction(
     during = trace[start:end] or [before]
     after = during[-1]
     notes = [
-        f"includes a cuBLAS workspace of {fmt_bytes(workspace)}" if workspace else "",
+        _workspace_note(workspaces),
         "not modelled: cuDNN workspaces and RNNs, other CUDA-only kernels",
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
     ]
@@ -338,7 +395,19 @@ def _prediction(
         card,
         tensors,
         report,
-        workspace,
+        sum(size for _, size in workspaces),
         oom=replay.failed is not None,
         units=units,
+        workspaces=workspaces,
     )
+
+
+def _workspace_note(workspaces: tuple[tuple[str, int], ...]) -> str:
+    """ "includes cuBLAS workspaces: 32 MiB (forward), 1 MiB (cuBLASLt), 32 MiB (backward)"."""
+    if not workspaces:
+        return ""
+    parts = [
+        f"{fmt_bytes(size)} ({'cuBLASLt' if key.endswith(' lt') else key})"
+        for key, size in workspaces
+    ]
+    return f"includes cuBLAS workspaces: {', '.join(parts)}"

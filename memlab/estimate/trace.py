@@ -14,6 +14,7 @@ events) serve as regression tests for the model.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ class ReplayResult:
     real_reserved: int
     model_allocated: int
     model_reserved: int
+    #: Peaks over the events from ``start`` to ``end`` (the whole trace by default): the real
+    #: allocator's reserved bytes (read from its segment events) and the model's allocated and
+    #: reserved bytes. A trace holds requested sizes only, so the real peak *allocated* (blocks)
+    #: is not in it: compare the model's with ``torch.cuda.max_memory_allocated()``.
+    real_peak_reserved: int = 0
+    model_peak_allocated: int = 0
+    model_peak_reserved: int = 0
 
     @property
     def exact(self) -> bool:
@@ -65,16 +73,26 @@ class ReplayResult:
             f"at the end: requested {self.real_requested:,} B; the model's blocks "
             f"{self.model_allocated:,} B",
             f"reserved at the end:  real {self.real_reserved:,} B, model {self.model_reserved:,} B",
+            f"peak reserved:        real {self.real_peak_reserved:,} B, model "
+            f"{self.model_peak_reserved:,} B",
         ]
         if self.first_divergence is not None:
             lines.append(f"first divergence: {self.first_divergence}")
         return "\n".join(lines)
 
 
+def read(path: str | Path) -> Any:
+    """A snapshot saved as JSON (``.json``, or gzipped ``.json.gz``), as saved."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":  # gzip's magic number
+        raw = gzip.decompress(raw)
+    return json.loads(raw)
+
+
 def load(path: str | Path) -> list[dict[str, Any]]:
-    """The first device's trace from a snapshot saved as JSON (or a plain list of events)."""
-    data = json.loads(Path(path).read_text())
-    return events_of(data)
+    """The busiest device's trace from a snapshot saved as JSON, gzipped or not (or a plain list
+    of events)."""
+    return events_of(read(path))
 
 
 def events_of(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,10 +108,15 @@ def events_of(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> list[dict[s
     return busiest
 
 
-def replay(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> ReplayResult:
-    """Replay a trace (a snapshot, or its list of events) through the allocator model."""
+def replay(
+    snapshot: Mapping[str, Any] | list[dict[str, Any]], start: int = 0, end: int | None = None
+) -> ReplayResult:
+    """Replay a trace (a snapshot, or its list of events) through the allocator model. The
+    peaks are taken over events ``start`` to ``end`` (e.g. one step of a longer trace)."""
     events = events_of(snapshot)
+    end = len(events) if end is None else end
     model = CachingAllocator()
+    peaks = [0, 0, 0]  # real reserved, model allocated, model reserved
     handles: dict[int, int] = {}
     real_requested = real_reserved = 0
     pending_segment: int | None = None  # a real segment_alloc waiting for its allocation
@@ -131,6 +154,9 @@ def replay(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> ReplayResult:
             if handle is not None:
                 real_requested -= size
                 model.free(handle)
+        if start <= i < end:
+            now = (real_reserved, model.stats.allocated, model.stats.reserved)
+            peaks = [max(p, n) for p, n in zip(peaks, now, strict=True)]
     return ReplayResult(
         events=len(events),
         allocations=allocations,
@@ -140,7 +166,68 @@ def replay(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> ReplayResult:
         real_reserved=real_reserved,
         model_allocated=model.stats.allocated,
         model_reserved=model.stats.reserved,
+        real_peak_reserved=peaks[0],
+        model_peak_allocated=peaks[1],
+        model_peak_reserved=peaks[2],
     )
+
+
+@dataclass(frozen=True)
+class StreamDiff:
+    """How a predicted allocation stream differs from a real one (requested sizes, in order)."""
+
+    predicted: tuple[int, ...]
+    real: tuple[int, ...]
+    #: Position of the first allocation whose size differs (None: one stream is a prefix of
+    #: the other, or they are the same).
+    first: int | None
+    #: Sizes requested a different number of times: (size, times predicted, times real), the
+    #: largest difference in bytes first.
+    counts: tuple[tuple[int, int, int], ...]
+
+    @property
+    def same(self) -> bool:
+        return self.predicted == self.real
+
+    def __str__(self) -> str:
+        lines = [
+            f"predicted {len(self.predicted):,} allocations ({sum(self.predicted):,} B), real "
+            f"{len(self.real):,} ({sum(self.real):,} B)"
+        ]
+        if self.same:
+            return lines[0] + ": the same sizes in the same order"
+        if self.first is not None:
+            i = self.first
+            lines.append(
+                f"first difference at allocation {i}: predicted "
+                f"{list(self.predicted[i : i + 4])}, real {list(self.real[i : i + 4])} "
+                f"(after {list(self.real[max(0, i - 3) : i])})"
+            )
+        for size, p, r in self.counts[:8]:
+            lines.append(f"  {size:>14,} B: predicted {p} times, real {r}")
+        return "\n".join(lines)
+
+
+def _allocation_sizes(events: list[dict[str, Any]]) -> tuple[int, ...]:
+    return tuple(int(e.get("size", 0)) for e in events if e.get("action") == "alloc")
+
+
+def compare(
+    predicted: Mapping[str, Any] | list[dict[str, Any]],
+    real: Mapping[str, Any] | list[dict[str, Any]],
+) -> StreamDiff:
+    """Compare the allocations of a predicted stream (``Estimate.trace``, or a list of events)
+    with a real trace's: which allocation first differs, and which sizes one has more often.
+    Pass the same part of each (e.g. the measured step: ``events[first:end]``)."""
+    mine, theirs = _allocation_sizes(events_of(predicted)), _allocation_sizes(events_of(real))
+    first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
+    counts: dict[int, list[int]] = {}
+    for k, sizes in enumerate((mine, theirs)):
+        for size in sizes:
+            counts.setdefault(size, [0, 0])[k] += 1
+    differ = [(size, p, r) for size, (p, r) in counts.items() if p != r]
+    differ.sort(key=lambda d: -abs(d[1] - d[2]) * d[0])
+    return StreamDiff(mine, theirs, first, tuple(differ))
 
 
 def synthetic(steps: Iterable[tuple[str, int, int]]) -> list[dict[str, Any]]:
