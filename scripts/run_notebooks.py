@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import sys
 import tempfile
 import time
@@ -61,6 +62,8 @@ def main() -> None:
     if not paths:
         parser.error(f"no notebook in {NOTEBOOKS} starts with {' or '.join(args.names)}")
     target = NOTEBOOKS if args.in_place else Path(args.out)
+    # kernels load memlab where the notebook says so, as a reader's do (see ipython_config.py)
+    os.environ["MEMLAB_NO_AUTOLOAD"] = "1"
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         runs = {pool.submit(execute, p, target / p.name, args.timeout): p for p in paths}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -34,8 +35,10 @@ def test_the_estimator_validation_script_predicts_every_kind_of_case(tmp_path: P
     assert len(rows) == 11  # 3 models × 4 configurations, less checkpointing the LSTM
     assert "Error" not in table  # every case ran on the estimator
     # PyTorch's MemTracker (under FakeTensorMode, here on the CPU) fills its column where it can
-    adam = next(r for r in rows if r.startswith("| mlp | fp32 adam |"))
-    assert "MiB" in adam.split("|")[10], adam
+    # (it came with torch 2.5: before, the column stays blank)
+    if importlib.util.find_spec("torch.distributed._tools.mem_tracker") is not None:
+        adam = next(r for r in rows if r.startswith("| mlp | fp32 adam |"))
+        assert "MiB" in adam.split("|")[10], adam
 
 
 def test_the_trace_recorders_cases_run_on_meta() -> None:

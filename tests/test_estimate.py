@@ -367,3 +367,15 @@ def test_a_transformer_estimate_saves_far_less_than_the_math_attention_would() -
     acts = Category.ACTIVATION
     matrices = 2 * 2 * 1 * 512 * 512 * 4  # layers × batch × heads × L × L floats, at least
     assert math.breakdown.highest[acts] - predicted.breakdown.highest[acts] >= matrices
+
+
+def test_the_predicted_timeline_is_the_allocator_models_and_says_so() -> None:
+    e = estimate(mlp, rows, None, RunConfig(batch_size=64, optimizer="adam"), gpu="H100 80GB")
+    tl = e.report.timeline
+    assert tl is not None and tl.source == "allocator model"
+    # the same points as the tensor accounting's timeline, in the model's allocated bytes
+    assert tl.seconds == e.tensors.timeline.seconds  # type: ignore[union-attr]
+    assert max(tl.allocated) == e.peak_allocated  # its peak is the predicted peak
+    assert min(tl.allocated) >= e.workspace  # the workspaces are held throughout
+    ax = e.report.plot().axes[0]
+    assert "meta-device run, not GPU time" in ax.get_xlabel()

@@ -144,3 +144,27 @@ def test_simulate_a_gpu_predicts_instead_of_measuring() -> None:
     ex.amp.value = "bf16"
     amp = ex.run()
     assert amp is not None and amp.predicted_for == "L4" and "amp bf16" in ex.table.value
+
+
+def test_predictions_are_compared_with_predictions_and_measurements_with_measurements() -> None:
+    import re
+
+    ex = explorer()
+    ex.optimizer.value = "sgd"
+    measured = ex.run()
+    ex.simulate.value = "T4"
+    first = ex.run()
+    ex.batch_size.value *= 2
+    second = ex.run()
+    ex.simulate.value = ex.simulate.options[0]  # measure here again
+    third = ex.run()
+    assert all(r is not None and r.peak is not None for r in (measured, first, second, third))
+    assert first is not None and first.predicted_for == "T4"
+    rows = ex.table.value.split("<tr>")[2:]  # after the header row
+    signed = [re.findall(r'title="(-?[\d,]+) B"', row) for row in rows]
+    # each row: peak, [change], activations; a baseline row has no change
+    assert len(signed[0]) == len(signed[1]) == 2
+    assert second is not None and third is not None and measured is not None
+    assert int(signed[2][1].replace(",", "")) == second.peak - first.peak  # type: ignore[operator]
+    assert int(signed[3][1].replace(",", "")) == third.peak - measured.peak  # type: ignore[operator]
+    assert "baselines: run 1 (measured), run 2 (predicted for T4)" in ex.table.value

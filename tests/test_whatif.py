@@ -185,3 +185,25 @@ def test_result_to_dict() -> None:
     d = measure(BASE).to_dict()
     assert d["config"] == "train, batch 64, adam" and d["oom"] is False
     assert d["report"]["categories"]["highest"]["activation"] == 2 * DEPTH * ONE
+
+
+def test_the_first_run_in_a_process_frees_its_model_at_once() -> None:
+    # PyTorch's first optimizer imports torch._dynamo, and the import keeps the frames on the
+    # stack in a reference cycle: a run must not be one of them, or its model would stay in
+    # memory until Python's collector runs (here: never, it is off)
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, weakref, torch\n"
+        "from torch import nn\n"
+        "from memlab.whatif import RunConfig, run\n"
+        "gc.disable()\n"
+        "refs = []\n"
+        "def model_fn():\n"
+        "    m = nn.Linear(64, 64); refs.append(weakref.ref(m)); return m\n"
+        "run(model_fn, lambda b: torch.randn(b, 64), None, RunConfig(device='cpu', batch_size=4))\n"
+        "print(refs[0]() is None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"

@@ -24,8 +24,10 @@ RNNs), and other kernels whose CUDA versions save or allocate differently from t
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.estimate.kernels import CublasHandles, cuda_attention
 from memlab.region import track
-from memlab.reports.report import MemoryReport
+from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
 from memlab.whatif.config import RunConfig, WhatIfError
 from memlab.whatif.runner import InputFn, LossFn, ModelFn, blocks, run
@@ -149,11 +151,21 @@ class _Replay:
         #: (requested sizes; ``addr`` is the storage's serial), to compare with a real trace.
         self.events: list[dict[str, Any]] = []
         self.events_from = self.events_to = 0
+        #: perf_counter time of each entry of ``trace``, and when the measured step ended.
+        self.stamps: list[float] = []
+        self._when: float | None = None
+        self.ended = 0.0
         self.sizes: dict[int, int] = {}
 
     def _note(self) -> None:
         s = self.allocator.stats
         self.trace.append((s.allocated, s.reserved))
+        # stamped as the tensor accounting stamps its timeline: an allocation when its op
+        # started, a free when it happens, never before the previous event
+        self.stamps.append(
+            max(self._when or time.perf_counter(), self.stamps[-1] if self.stamps else 0.0)
+        )
+        self._when = None
 
     def malloc(self, key: int, nbytes: int) -> None:
         if self.failed is not None:
@@ -171,6 +183,7 @@ class _Replay:
         self.events.append({"action": "free_completed", "addr": key, "size": size, "stream": 0})
 
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        self._when = when
         old = self.handles.pop(serial, None)
         if old is not None:  # a storage that grew: the allocator sees a new block
             size = self.allocator.block_size(old)
@@ -179,6 +192,7 @@ class _Replay:
             self.malloc(serial, size + delta)
         elif delta > 0:
             self.malloc(serial, delta)
+        self._when = None
 
     def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
         handle = self.handles.pop(serial, None)
@@ -328,6 +342,7 @@ def estimate(
         else:
             replay.measured_to = len(replay.trace)
             replay.events_to = len(replay.events)
+            replay.ended = time.perf_counter()
 
     ledger = default_ledger()
     ledger.attach(replay)
@@ -375,6 +390,23 @@ def _prediction(
     ]
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
+    timeline = tensors.timeline
+    if timeline is not None and len(timeline):
+        # the allocator model's allocated bytes at each point of the accounting's timeline
+        origin = replay.ended - tensors.seconds  # when the measured region started
+        stamps = replay.stamps[start:end]
+        values = [a for a, _ in trace[start:end]]
+
+        def at(seconds: float) -> int:
+            i = bisect.bisect_right(stamps, origin + seconds) - 1
+            return values[i] if i >= 0 else before[0]
+
+        timeline = Timeline(
+            seconds=timeline.seconds,
+            allocated=tuple(at(x) for x in timeline.seconds),
+            phases=timeline.phases,
+            source="allocator model",
+        )
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
         source="estimate",
@@ -387,7 +419,7 @@ def _prediction(
         reserved_after=after[1],
         peak_reserved=max(r for _, r in [before, *during]),
         breakdown=tensors.breakdown,
-        timeline=tensors.timeline,
+        timeline=timeline,
         notes=tuple(n for n in notes if n),
     )
     return Estimate(

@@ -51,7 +51,10 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     for phase, colour in _PHASE_COLOURS.items():
         if phase in tl.phases:
             ax.axvspan(0, 0, color=colour, label=phase)
-    ax.set_xlabel("seconds since the region started")
+    if r.source == "estimate":  # the predicted step ran on the meta device, not a GPU
+        ax.set_xlabel("progress through the step (seconds of its meta-device run, not GPU time)")
+    else:
+        ax.set_xlabel("seconds since the region started")
     ax.set_ylabel("MiB")
     ax.set_title(f"{r.device}{' · ' + r.label if r.label else ''} ({tl.source})", fontsize=10)
     ax.legend(loc="upper left", fontsize=8, frameon=False)

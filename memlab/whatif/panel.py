@@ -244,11 +244,17 @@ class Explorer:
     def _table_html(self) -> str:
         if not self.results:
             return ""
-        first = self.results[0].peak
+        # like with like: a measured run against the first measured run, a prediction against
+        # the first prediction for the same GPU
+        baselines: dict[str | None, tuple[int, int]] = {}
+        for i, r in enumerate(self.results, 1):
+            if r.peak is not None:
+                baselines.setdefault(r.predicted_for, (i, r.peak))
         rows = []
         for i, r in enumerate(self.results, 1):
             peak = r.peak
-            change = None if peak is None or first is None or i == 1 else peak - first
+            base = baselines.get(r.predicted_for)
+            change = None if peak is None or base is None or base[0] == i else peak - base[1]
             breakdown = r.report.breakdown if r.report else None
             acts = breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0
             described = r.config.describe()
@@ -270,8 +276,15 @@ class Explorer:
                 )
                 + text_cell(_verdict(r), f"{LEFT};color:{GROW}")
             )
-        head = ["run", "configuration", "peak", "vs run 1", "activations", "time", ""]
-        return table(head, rows, "memlab-runs")
+        head = ["run", "configuration", "peak", "vs baseline", "activations", "time", ""]
+        html = table(head, rows, "memlab-runs")
+        if len(baselines) > 1 or None not in baselines:
+            runs = ", ".join(
+                f"run {i} ({'measured' if kind is None else f'predicted for {kind}'})"
+                for kind, (i, _) in baselines.items()
+            )
+            html += f'<div style="font-size:11px;color:#555">baselines: {escape(runs)}</div>'
+        return html
 
 
 def _verdict(r: RunResult) -> str:

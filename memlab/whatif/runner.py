@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from memlab.core.accounting import warm_up
 from memlab.core.categories import Category
 from memlab.core.devices import DeviceError, resolve
 from memlab.core.ledger import default_ledger, device_key
@@ -78,6 +79,10 @@ def run(
     """
     config = config or RunConfig()
     device = resolve_device(config.device)
+    # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and that import
+    # keeps the frames of whatever called it in a reference cycle until Python's collector runs:
+    # done here, before the model exists, those frames hold no model.
+    warm_up()
     model = _call("model_fn", model_fn)
     if not isinstance(model, nn.Module):
         raise WhatIfError(f"model_fn must return a torch.nn.Module, not {type(model).__name__}.")
