@@ -1,9 +1,10 @@
-"""The estimator against a real GPU: six models from torch.nn in seven configurations each.
+"""The estimator against a real GPU: six models from torch.nn (and four from torchvision and
+transformers configurations, where those are installed) in seven configurations each.
 
 On a machine with CUDA, each case runs twice: measured by `memlab.whatif.run` on the GPU, in a
 fresh process so the allocator starts empty (a warm-up step, then the measured step, whose peak
 allocated and peak reserved are the allocator's own counters), and predicted by
-`memlab.estimate.estimate` for the same GPU. The table gives both and the errors, with two
+`memlab.estimate.estimate` for the same GPU. The table gives both and the errors, with three
 reference points where they apply: the "4 × the model's size" rule of thumb for Adam training
 (accelerate's estimate), PyTorch's MemTracker under FakeTensorMode (a private API: blank where it
 cannot run a case), and torchinfo's "Estimated Total Size" (when torchinfo is installed).
@@ -139,6 +140,35 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], int, Chec
     "decoder (gpt-2 small)": (lambda: GPT(vocab=50257, ctx=512), _ids(50257, 512), 4, "auto"),
     "lstm": (LSTMTagger, _ids(10000, 128), 32, None),
 }
+
+
+def _optional() -> None:
+    """Models from torchvision and transformers (configurations only, no weights), where those
+    are installed: the GPU machine has both."""
+    try:
+        import torchvision.models as tv
+    except Exception:  # missing, or built for another torch
+        tv = None
+    if tv is not None:
+        MODELS["resnet-50 (torchvision)"] = (tv.resnet50, _images(224), 32, "auto")
+        MODELS["vit-b/16 (torchvision)"] = (tv.vit_b_16, _images(224), 32, "auto")
+    try:
+        import transformers as hf
+    except Exception:
+        hf = None
+    if hf is not None:
+
+        def gpt2() -> nn.Module:
+            return hf.GPT2LMHeadModel(hf.GPT2Config(attn_implementation="sdpa"))
+
+        def bert() -> nn.Module:
+            return hf.BertForSequenceClassification(hf.BertConfig(attn_implementation="sdpa"))
+
+        MODELS["gpt-2 small (transformers)"] = (gpt2, _ids(50257, 512), 4, "auto")
+        MODELS["bert-base (transformers)"] = (bert, _ids(30522, 256), 16, "auto")
+
+
+_optional()
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32 sgd": {"optimizer": "sgd"},

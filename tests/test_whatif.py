@@ -207,3 +207,33 @@ def test_the_first_run_in_a_process_frees_its_model_at_once() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True"
+
+
+class Dictionary(nn.Module):
+    """Returns a mapping, as Hugging Face models do: logits, and a loss when given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.body(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = (logits * labels).sum()
+        return out
+
+
+def test_a_model_that_returns_a_mapping_trains_on_its_own_loss_or_its_first_tensor() -> None:
+    config = RunConfig(batch_size=8, optimizer="sgd")
+    plain = run(Dictionary, lambda b: torch.randn(b, 16), None, config)
+    assert plain.report is not None and plain.error is None  # the logits' mean square
+    given = run(Dictionary, lambda b: (torch.randn(b, 16), torch.randn(b, 16)), None, config)
+    assert given.report is not None and given.error is None
+    # the mean square saves the logits for backward; the model's own loss saves the labels,
+    # which are the run's input, not an activation
+    acts = [r.report.breakdown.highest.get(Category.ACTIVATION, 0) for r in (plain, given)]  # type: ignore[union-attr]
+    assert acts == [8 * 16 * 4, 0]
+    # outputs kept detached: a mapping of detached tensors, no graph
+    kept = run(Dictionary, lambda b: torch.randn(b, 16), None, config.with_(retention="detached"))
+    assert kept.report is not None and kept.error is None

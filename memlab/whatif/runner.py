@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,9 @@ def run(
         returns your existing model, memlab restores its weights, buffers, gradients, train/eval
         modes and forwards afterwards, also when the run fails.
     input_fn(batch_size): the model's input (a tensor, or a tuple passed as arguments).
-    loss_fn(output): a scalar loss (default: the mean square of the output).
+    loss_fn(output): a scalar loss (default: the model's own ``loss`` where the output is a
+        mapping that has one, as a Hugging Face model given labels returns; otherwise the mean
+        square of the output's first tensor).
     on_measure("start") / on_measure("end"): called just before and just after the measured step
         (the estimator uses them).
     foreach: the optimizer's ``foreach`` option (None: PyTorch's default for the device; the
@@ -196,6 +198,11 @@ def _inputs(
 
 def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
     if loss_fn is None:
+        if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
+            own = out.get("loss")
+            if isinstance(own, torch.Tensor) and own.numel() == 1:
+                return own  # the model computed its loss (it was given labels)
+            out = list(out.values())
         first = (
             out
             if isinstance(out, torch.Tensor)
@@ -216,6 +223,8 @@ def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
 def _detach(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return out.detach()
+    if isinstance(out, Mapping):
+        return {k: _detach(v) for k, v in out.items()}
     return type(out)(_detach(o) for o in out) if isinstance(out, (list, tuple)) else out
 
 
