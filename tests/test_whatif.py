@@ -234,6 +234,13 @@ def test_a_model_that_returns_a_mapping_trains_on_its_own_loss_or_its_first_tens
     # which are the run's input, not an activation
     acts = [r.report.breakdown.highest.get(Category.ACTIVATION, 0) for r in (plain, given)]  # type: ignore[union-attr]
     assert acts == [8 * 16 * 4, 0]
+    # a mapping from input_fn is the model's keyword arguments, as for a Hugging Face model
+    by_name = run(
+        Dictionary, lambda b: {"x": torch.randn(b, 16), "labels": torch.randn(b, 16)}, None, config
+    )
+    assert by_name.report is not None and by_name.error is None
+    assert by_name.report.breakdown.highest.get(Category.ACTIVATION, 0) == 0  # type: ignore[union-attr]
+    assert by_name.report.breakdown.highest[Category.INPUT] == 2 * 8 * 16 * 4  # type: ignore[union-attr]
     # outputs kept detached: a mapping of detached tensors, no graph
     kept = run(Dictionary, lambda b: torch.randn(b, 16), None, config.with_(retention="detached"))
     assert kept.report is not None and kept.error is None

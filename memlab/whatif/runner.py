@@ -69,7 +69,8 @@ def run(
     model_fn(): the model, on the run's device. A new one each call keeps runs isolated; if it
         returns your existing model, memlab restores its weights, buffers, gradients, train/eval
         modes and forwards afterwards, also when the run fails.
-    input_fn(batch_size): the model's input (a tensor, or a tuple passed as arguments).
+    input_fn(batch_size): the model's input: a tensor, a tuple (the arguments) or a mapping (the
+        keyword arguments, e.g. ``input_ids`` and ``labels`` for a Hugging Face model).
     loss_fn(output): a scalar loss (default: the model's own ``loss`` where the output is a
         mapping that has one, as a Hugging Face model given labels returns; otherwise the mean
         square of the output's first tensor).
@@ -156,7 +157,7 @@ def _step(
         kept, series = [], []
         for _ in range(config.iterations):
             with autocast():
-                out = model(*_inputs(input_fn, config.batch_size, device, mark))
+                out = _forward(model, input_fn, config.batch_size, device, mark)
             kept.append(out if config.retention == "attached" else _detach(out))
             series.append(_allocated(device))
         return kept, series
@@ -164,14 +165,14 @@ def _step(
         model.eval()
         grad = torch.no_grad() if config.mode == "no_grad" else torch.inference_mode()
         with grad, autocast():
-            out = model(*_inputs(input_fn, config.batch_size, device, mark))
+            out = _forward(model, input_fn, config.batch_size, device, mark)
         return [out], []
     assert opt is not None
     model.train()
     micro = config.batch_size // config.accumulation
     for _ in range(config.accumulation):
         with autocast():
-            out = model(*_inputs(input_fn, micro, device, mark))
+            out = _forward(model, input_fn, micro, device, mark)
             loss = _loss(loss_fn, out) / config.accumulation
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del out, loss
@@ -184,16 +185,26 @@ def _step(
     return [], []
 
 
-def _inputs(
-    input_fn: InputFn, batch: int, device: torch.device, mark: Callable[[torch.Tensor], None]
-) -> tuple[Any, ...]:
+def _forward(
+    model: nn.Module,
+    input_fn: InputFn,
+    batch: int,
+    device: torch.device,
+    mark: Callable[[torch.Tensor], None],
+) -> Any:
+    """The model on input_fn(batch): a tuple is its arguments, a mapping its keyword arguments
+    (``{"input_ids": ..., "labels": ...}`` for a Hugging Face model), anything else the one
+    argument."""
     value = _call("input_fn", input_fn, batch)
-    inputs = value if isinstance(value, tuple) else (value,)
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    args: tuple[Any, ...] = value if isinstance(value, tuple) else (value,)
+    kwargs: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        args, kwargs = (), dict(value)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     _check_device("input_fn's result", tensors, device)
     for t in tensors:
         mark(t)
-    return inputs
+    return model(*args, **kwargs)
 
 
 def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
