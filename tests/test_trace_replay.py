@@ -156,3 +156,17 @@ def test_the_estimator_predicts_a_recorded_step_on_the_cpu(path: Path) -> None:
     # the estimator's targets (issue: median 3 % allocated, 8 % reserved)
     assert abs(allocated) <= 0.03, f"peak allocated off by {allocated:+.1%}; {where}"
     assert abs(reserved) <= 0.08, f"peak reserved off by {reserved:+.1%}; {where}"
+
+
+def test_a_window_that_starts_with_a_free_keeps_what_was_there_as_its_peak() -> None:
+    # torch.cuda.reset_peak_memory_stats() sets the peak to what is allocated at that moment
+    trace = synthetic(
+        [
+            ("segment_alloc", 0x2000_0000, 20 * MiB),
+            ("alloc", 0x2000_0000, 8 * MiB),
+            ("free_completed", 0x2000_0000, 8 * MiB),  # the window starts here
+            ("alloc", 0x2000_0000, MiB * 2),
+        ]
+    )
+    r = replay(trace, 2)
+    assert r.model_peak_allocated == 8 * MiB and r.real_peak_reserved == 20 * MiB

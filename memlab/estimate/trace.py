@@ -124,6 +124,8 @@ def replay(
     first: Divergence | None = None
     freeing_segments = False
     for i, e in enumerate(events):
+        if i == start:  # as the allocator's peak counters after a reset: what is there now
+            peaks = [real_reserved, model.stats.allocated, model.stats.reserved]
         action, size, addr = e.get("action"), int(e.get("size", 0)), int(e.get("addr", 0))
         if action != "segment_free":
             freeing_segments = False
