@@ -168,3 +168,27 @@ def test_predictions_are_compared_with_predictions_and_measurements_with_measure
     assert int(signed[2][1].replace(",", "")) == second.peak - first.peak  # type: ignore[operator]
     assert int(signed[3][1].replace(",", "")) == third.peak - measured.peak  # type: ignore[operator]
     assert "baselines: run 1 (measured), run 2 (predicted for T4)" in ex.table.value
+
+
+def test_simulate_a_custom_size_of_gpu() -> None:
+    from memlab.estimate import estimate
+    from memlab.estimate.gpus import HOPPER_WORKSPACE
+    from memlab.whatif.panel import CUSTOM
+
+    ex = explorer()
+    ex.optimizer.value = "sgd"
+    assert ex.custom_gib.layout.display == "none"  # only with "custom size"
+    ex.simulate.value = CUSTOM
+    assert ex.custom_gib.layout.display == ""
+    ex.custom_gib.value = 12
+    assert ex.card is not None and ex.card.memory == 12 * 1024**3
+    assert ex.card.workspace == HOPPER_WORKSPACE
+    r = ex.run()
+    assert r is not None and r.predicted_for == "custom 12 GiB"
+    assert r.peak == estimate(stack, inputs, None, ex.config, gpu=12 * 1024**3).peak_allocated
+    # the largest batch searches that card's memory (less the CUDA context allowance)
+    ex.custom_gib.value = 1
+    best = ex.largest_batch()
+    card = ex.card
+    assert best is not None and card is not None and card.usable == 512 * 1024**2
+    assert estimate(stack, inputs, None, ex.config.with_(batch_size=best), gpu=card).fits()

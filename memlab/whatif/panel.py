@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import ipywidgets as w
 
 from memlab.core.categories import Category
-from memlab.estimate.gpus import GPUS
+from memlab.estimate.gpus import GPU, GPUS
+from memlab.estimate.gpus import gpu as find_gpu
 from memlab.reports.html import CELL, GROW, LEFT, num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes, fmt_seconds
 from memlab.whatif.config import AMP, MODES, OPTIMIZERS, RETENTION, RunConfig, WhatIfError
@@ -25,6 +26,8 @@ T = TypeVar("T")
 MiB = 1024**2
 #: The "simulate a GPU" choice that measures on this machine instead.
 HERE = "no: measure here"
+#: The "simulate a GPU" choice of a card of any size (the "custom GPU (GiB)" field).
+CUSTOM = "custom size"
 #: The largest batch the search tries.
 MAX_BATCH = 1 << 16
 _COLOURS = {
@@ -78,8 +81,17 @@ class Explorer:
             value=(c.budget or 0) / MiB, min=0, max=1e9, description="budget (MiB)", style=style
         )
         self.simulate = w.Dropdown(
-            options=(HERE, *GPUS), value=HERE, description="simulate a GPU", style=style
+            options=(HERE, *GPUS, CUSTOM), value=HERE, description="simulate a GPU", style=style
         )
+        self.custom_gib = w.BoundedFloatText(
+            value=16, min=1, max=4096, description="custom GPU (GiB)", style=style
+        )
+        self.custom_gib.layout.display = "none"  # shown when "custom size" is chosen
+
+        def show_custom(change: dict[str, Any]) -> None:
+            self.custom_gib.layout.display = "" if change["new"] == CUSTOM else "none"
+
+        self.simulate.observe(show_custom, names="value")
         fit = w.Layout(width="auto")  # buttons as wide as their labels
         self.run_button = w.Button(
             description="Run", button_style="primary", icon="play", layout=fit
@@ -105,6 +117,7 @@ class Explorer:
                                 self.optimizer,
                                 self.budget,
                                 self.simulate,
+                                self.custom_gib,
                             ]
                         ),
                     ]
@@ -145,12 +158,23 @@ class Explorer:
             self._redraw()
         return result
 
-    def _step(self, config: RunConfig) -> RunResult:
+    @property
+    def card(self) -> GPU | None:
+        """The GPU chosen under "simulate a GPU" (None: measure on this machine)."""
         if self.simulate.value == HERE:
+            return None
+        if self.simulate.value == CUSTOM:  # a card of that size, with Hopper's workspace
+            card = find_gpu(int(self.custom_gib.value * 1024**3))
+            assert card is not None
+            return card
+        return GPUS[self.simulate.value]
+
+    def _step(self, config: RunConfig) -> RunResult:
+        card = self.card
+        if card is None:
             return run(self.model_fn, self.input_fn, self.loss_fn, config)
         from memlab.estimate.step import estimate
 
-        card = GPUS[self.simulate.value]
         e = estimate(self.model_fn, self.input_fn, self.loss_fn, config, gpu=card)
         budget = config.budget or card.usable
         fits = e.fits(budget)
@@ -170,8 +194,9 @@ class Explorer:
         config = self._attempt(lambda: self.config)
         if config is None:
             return None
-        if config.budget is None and self.simulate.value != HERE:
-            config = config.with_(budget=GPUS[self.simulate.value].usable)
+        card = self.card
+        if config.budget is None and card is not None:
+            config = config.with_(budget=card.usable)
         if config.budget is None:
             chosen = config  # narrowed to RunConfig, and never reassigned
             found = self._attempt(lambda: (_device_limit(chosen),))
