@@ -37,6 +37,7 @@ from torch import nn
 import memlab  # noqa: F401
 from memlab.estimate import GPU
 from memlab.estimate.gpus import matching
+from memlab.estimate.trace import compact, recorded
 from memlab.examples import GPT
 from memlab.whatif import RunConfig, run
 
@@ -143,8 +144,7 @@ def record(case: str) -> dict[str, Any]:
     moments: dict[str, int] = {}
 
     def mark(moment: str) -> None:  # where the measured step starts and ends, in events
-        torch.cuda.synchronize()
-        moments[moment] = max(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+        moments[moment] = recorded()
 
     stats: dict[str, Any] = {}
     config = None
@@ -175,21 +175,6 @@ def record(case: str) -> dict[str, Any]:
         final_allocated=counters["allocated_bytes.all.current"],
         final_reserved=counters["reserved_bytes.all.current"],
     )
-    keys = ("action", "addr", "size", "stream", "time_us")
-    traces = [[{k: e[k] for k in keys if k in e} for e in t] for t in snapshot["device_traces"]]
-    segments = [
-        {
-            "address": s["address"],
-            "total_size": s["total_size"],
-            "stream": s["stream"],
-            "segment_type": s["segment_type"],
-            "blocks": [
-                {k: b[k] for k in ("size", "requested_size", "state") if k in b}
-                for b in s["blocks"]
-            ],
-        }
-        for s in snapshot["segments"]
-    ]
     props = torch.cuda.get_device_properties(0)
     return {
         "format": FORMAT,
@@ -200,8 +185,7 @@ def record(case: str) -> dict[str, Any]:
         "capability": f"{props.major}.{props.minor}",
         "torch": torch.__version__,
         "stats": stats,
-        "segments": segments,
-        "device_traces": traces,
+        **compact(snapshot),
     }
 
 

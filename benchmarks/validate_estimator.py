@@ -47,6 +47,7 @@ import memlab  # noqa: F401  (the estimator's package)
 from memlab.estimate import GPU, estimate
 from memlab.estimate.gpus import matching
 from memlab.estimate.step import redirected
+from memlab.estimate.trace import compact, recorded
 from memlab.examples import GPT, resnet18
 from memlab.whatif import RunConfig, run
 from memlab.whatif.runner import AMP_DTYPES, _loss, _optimizer
@@ -144,7 +145,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], int, Chec
 
 def _optional() -> None:
     """Models from torchvision and transformers (configurations only, no weights), where those
-    are installed: the GPU machine has both."""
+    are installed: the GPU machine has both. Added when needed, not at import: the child
+    process of a torch.nn case then does not import them."""
     try:
         import torchvision.models as tv
     except Exception:  # missing, or built for another torch
@@ -167,8 +169,6 @@ def _optional() -> None:
         MODELS["gpt-2 small (transformers)"] = (gpt2, _ids(50257, 512), 4, "auto")
         MODELS["bert-base (transformers)"] = (bert, _ids(30522, 256), 16, "auto")
 
-
-_optional()
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32 sgd": {"optimizer": "sgd"},
@@ -211,8 +211,7 @@ def measure(model: str, name: str, trace: Path | None = None) -> dict[str, Any]:
 
     def mark(moment: str) -> None:
         if trace is not None:  # where the measured step lies in the trace
-            events = torch.cuda.memory._snapshot()["device_traces"]
-            moments[moment] = max(len(t) for t in events)
+            moments[moment] = recorded()
 
     if trace is not None:
         torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)
@@ -223,14 +222,11 @@ def measure(model: str, name: str, trace: Path | None = None) -> dict[str, Any]:
     if trace is not None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        keys = ("action", "addr", "size", "stream")
         kept = {
             "model": model,
             "config": name,
             "stats": {**got, "measured_from": moments["start"], "measured_to": moments["end"]},
-            "device_traces": [
-                [{k: e[k] for k in keys if k in e} for e in t] for t in snapshot["device_traces"]
-            ],
+            "device_traces": compact(snapshot)["device_traces"],
         }
         trace.write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
     return got
@@ -344,13 +340,15 @@ def main() -> None:
     parser.add_argument("--out", help="write the Markdown table here")
     parser.add_argument("--json", help="write every case's figures here, one JSON line each")
     parser.add_argument("--dry-run", action="store_true", help="predictions only (no GPU needed)")
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", help="(default: every model installed)")
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once, each a process")
     parser.add_argument("--traces", help="folder for each measured run's allocator trace")
     parser.add_argument("--table-from", help="only write the table, from a --json file")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.one or args.one[0] not in MODELS:
+        _optional()
     traces = Path(args.traces) if args.traces else None
     if args.one:  # the child process of one case
         print(json.dumps(one(*args.one, args.dry_run, traces)))
@@ -366,7 +364,8 @@ def main() -> None:
     gpu: GPU | str = this_gpu() if not args.dry_run else "H100 80GB"
     if traces is not None:
         traces.mkdir(parents=True, exist_ok=True)
-    cases = [(m, n) for m in args.models for n in args.configs if config(m, n) is not None]
+    models = args.models or list(MODELS)
+    cases = [(m, n) for m in models for n in args.configs if config(m, n) is not None]
     log = Path(args.json) if args.json else None
     if log is not None:
         log.write_text("")

@@ -206,3 +206,28 @@ def test_panel_largest_batch_uses_free_gpu_memory_without_a_budget() -> None:
     best = ex.largest_batch()
     assert best is not None and best > 1024  # 80 GB hold far more than a thousand rows
     assert not ex.results[-1].oom
+
+
+def test_a_recorded_trace_replays_exactly_through_the_allocator_model() -> None:
+    # in a fresh process: the allocator must start empty, as the model does
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from memlab.estimate.trace import compact, recorded, replay
+MiB = 2**20
+torch.cuda.init()
+torch.cuda.memory._record_memory_history(context=None)
+start = recorded()
+keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 3 * MiB, 30 * MiB)]
+del keep[1]
+grew = recorded() > start
+snapshot = compact(torch.cuda.memory._snapshot())
+torch.cuda.memory._record_memory_history(enabled=None)
+r = replay(snapshot, start)
+print(grew, r.first_divergence is None, r.real_peak_reserved == r.model_peak_reserved)
+print(r)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[0] == "True True True", done.stdout

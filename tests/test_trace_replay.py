@@ -170,3 +170,20 @@ def test_a_window_that_starts_with_a_free_keeps_what_was_there_as_its_peak() -> 
     )
     r = replay(trace, 2)
     assert r.model_peak_allocated == 8 * MiB and r.real_peak_reserved == 20 * MiB
+
+
+def test_compact_keeps_what_replay_reads_and_drops_the_stack_frames() -> None:
+    from memlab.estimate.trace import compact
+
+    frames = [{"filename": "train.py", "line": 3, "name": "step"}]
+    events = [dict(e, frames=frames, time_us=i) for i, e in enumerate(rules_trace())]
+    blocks = [{"size": 4 * MiB, "requested_size": 4 * MiB, "state": "active_allocated"}]
+    segment = {"address": 1, "total_size": 20 * MiB, "stream": 0, "segment_type": "large"}
+    snapshot = {
+        "device_traces": [events],
+        "segments": [dict(segment, blocks=[dict(b, frames=frames) for b in blocks])],
+    }
+    small = compact(snapshot)
+    assert small["device_traces"][0] == [dict(e, time_us=i) for i, e in enumerate(rules_trace())]
+    assert small["segments"] == [dict(segment, blocks=blocks)]
+    assert replay(small).exact

@@ -63,8 +63,6 @@ class Estimate:
     #: The prediction, as a report: allocated (blocks) and reserved (segments), before, after
     #: and at the peak of the measured step, with the breakdown and timeline of ``tensors``.
     report: MemoryReport
-    #: Bytes of cuBLAS and cuBLASLt workspace the step took (see `workspaces`).
-    workspace: int
     #: The simulated allocator ran out of the GPU's usable memory (``gpu.usable``).
     oom: bool = False
     #: Parameter bytes of each repeated block of the model (what sharded data parallelism
@@ -91,6 +89,11 @@ class Estimate:
     def peak_reserved(self) -> int:
         assert self.report.peak_reserved is not None
         return self.report.peak_reserved
+
+    @property
+    def workspace(self) -> int:
+        """Bytes of cuBLAS and cuBLASLt workspace the step took (see `workspaces`)."""
+        return sum(size for _, size in self.workspaces)
 
     def fits(self, budget: int | None = None) -> bool:
         """Whether the step's peak *reserved* memory fits in ``budget`` bytes (default: the GPU's
@@ -137,8 +140,9 @@ class Estimate:
 class _Replay:
     """A ledger listener that replays one device's allocations through the allocator model."""
 
-    def __init__(self, device: str, allocator: CachingAllocator) -> None:
+    def __init__(self, device: str, allocator: CachingAllocator, keep_events: bool) -> None:
         self.device = device
+        self.keep_events = keep_events
         self.allocator = allocator
         self.handles: dict[int, int] = {}
         self.failed: str | None = None
@@ -147,8 +151,9 @@ class _Replay:
         self.trace: list[tuple[int, int]] = []
         self.measured_from: int | None = None
         self.measured_to: int | None = None
-        #: The allocation stream, in the format of a CUDA snapshot's ``device_traces``
-        #: (requested sizes; ``addr`` is the storage's serial), to compare with a real trace.
+        #: With ``keep_events``: the allocation stream, in the format of a CUDA snapshot's
+        #: ``device_traces`` (requested sizes; ``addr`` is the storage's serial), to compare
+        #: with a real trace.
         self.events: list[dict[str, Any]] = []
         self.events_from = self.events_to = 0
         #: perf_counter time of each entry of ``trace``, and when the measured step ended.
@@ -174,13 +179,16 @@ class _Replay:
             self.handles[key] = self.allocator.malloc(nbytes)
         except SimulatedOutOfMemoryError as e:
             self.failed = str(e)
-        self.events.append({"action": "alloc", "addr": key, "size": nbytes, "stream": 0})
-        self.sizes[key] = nbytes
+        if self.keep_events:
+            self.events.append({"action": "alloc", "addr": key, "size": nbytes, "stream": 0})
+            self.sizes[key] = nbytes
         self._note()
 
     def _freed(self, key: int) -> None:
-        size = self.sizes.pop(key, 0)
-        self.events.append({"action": "free_completed", "addr": key, "size": size, "stream": 0})
+        if self.keep_events:
+            size = self.sizes.pop(key, 0)
+            event = {"action": "free_completed", "addr": key, "size": size, "stream": 0}
+            self.events.append(event)
 
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
         self._when = when
@@ -299,7 +307,7 @@ def estimate(
     if workspace is None:
         workspace = 0 if card is None else card.workspace
     allocator = CachingAllocator(capacity=None if card is None else card.usable)
-    replay = _Replay(str(META), allocator)
+    replay = _Replay(str(META), allocator, keep_events=trace)
     lt = 0 if card is None or not workspace else card.lt_workspace
     taken: list[tuple[str, int]] = []
 
@@ -427,7 +435,6 @@ def _prediction(
         card,
         tensors,
         report,
-        sum(size for _, size in workspaces),
         oom=replay.failed is not None,
         units=units,
         workspaces=workspaces,

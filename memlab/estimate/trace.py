@@ -95,6 +95,38 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return events_of(read(path))
 
 
+#: What `replay` and `compare` read of an event (`compact` keeps these, not the stack frames).
+EVENT_KEYS = ("action", "addr", "size", "stream", "time_us")
+
+
+def compact(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``torch.cuda.memory._snapshot()`` reduced to what this module reads and small enough to
+    store: each device's events (`EVENT_KEYS`), and the segments with their blocks' sizes."""
+    block_keys = ("size", "requested_size", "state")
+    return {
+        "device_traces": [
+            [{k: e[k] for k in EVENT_KEYS if k in e} for e in t] for t in snapshot["device_traces"]
+        ],
+        "segments": [
+            {
+                **{k: s[k] for k in ("address", "total_size", "stream", "segment_type")},
+                "blocks": [{k: b[k] for k in block_keys if k in b} for b in s["blocks"]],
+            }
+            for s in snapshot["segments"]
+        ],
+    }
+
+
+def recorded() -> int:
+    """How many events the CUDA allocator has recorded so far on its busiest device (with
+    ``torch.cuda.memory._record_memory_history()`` on): where part of a trace starts or ends,
+    e.g. one step of a longer run (`replay`'s ``start`` and ``end``)."""
+    import torch
+
+    torch.cuda.synchronize()
+    return max((len(t) for t in torch.cuda.memory._snapshot()["device_traces"]), default=0)
+
+
 def events_of(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(snapshot, list):
         return snapshot

@@ -82,9 +82,9 @@ def run(
     """
     config = config or RunConfig()
     device = resolve_device(config.device)
-    # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and that import
-    # keeps the frames of whatever called it in a reference cycle until Python's collector runs:
-    # done here, before the model exists, those frames hold no model.
+    # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and the import keeps
+    # the frames on its stack in a reference cycle: warm_up() does it on a thread of its own, and
+    # must come before this run builds its optimizer, which would do it here otherwise.
     warm_up()
     model = _call("model_fn", model_fn)
     if not isinstance(model, nn.Module):
