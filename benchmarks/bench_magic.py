@@ -169,7 +169,9 @@ def anchor_mlrun(shell: Any) -> str:
         return "not installed (pip install pytorch-memlab)"
     if not torch.cuda.is_available():
         return "measures CUDA memory only; no GPU here"
-    return "see the GPU table"
+    # %%mlrun is a line profiler: it reports the memory of each line of the functions it is given
+    # (-f), not a cell's peak, so it has no row in the table above
+    return "profiles the lines of named functions, not a cell's peak: no row above"
 
 
 def anchor_ipyexperiments(

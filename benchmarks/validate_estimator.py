@@ -19,7 +19,10 @@ measured run's allocator trace, to see offline where a prediction parts from the
 (`memlab.estimate.trace.compare`).
 
 Without CUDA, ``--dry-run`` prints the predictions only (a test runs it that way, to keep the
-script working on machines without a GPU).
+script working on machines without a GPU), and ``--repredict FILE`` predicts again every case of a
+GPU run's ``--json`` file, keeping its measured figures: after a change to the estimator, the table
+is brought up to date on a CPU. A case whose model is not installed here keeps the prediction made
+on the GPU machine, marked † in the table.
 """
 
 from __future__ import annotations
@@ -345,19 +348,27 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once, each a process")
     parser.add_argument("--traces", help="folder for each measured run's allocator trace")
     parser.add_argument("--table-from", help="only write the table, from a --json file")
+    parser.add_argument(
+        "--repredict", help="predict again the cases of a --json file (no GPU needed)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", help=argparse.SUPPRESS)  # --one --repredict: the GPU's name
     args = parser.parse_args()
     if not args.one or args.one[0] not in MODELS:
         _optional()
     traces = Path(args.traces) if args.traces else None
+    if args.one and args.gpu:  # the child process of one case predicted again
+        print(json.dumps(predict(*args.one, args.gpu)))
+        return
     if args.one:  # the child process of one case
         print(json.dumps(one(*args.one, args.dry_run, traces)))
         return
+    if args.repredict:
+        repredict(Path(args.repredict), args.jobs, args.out, args.json)
+        return
     if args.table_from:
         rows = [json.loads(line) for line in Path(args.table_from).read_text().splitlines()]
-        order = {(m, n): i for i, (m, n) in enumerate(itertools.product(MODELS, CONFIGS))}
-        rows.sort(key=lambda r: order.get((r["model"], r["config"]), len(order)))
-        emit(table(rows, rows[0].get("gpu", "?"), not rows[0]["real"]), args.out)
+        emit(table(_in_order(rows), rows[0].get("gpu", "?"), not rows[0]["real"]), args.out)
         return
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no GPU here: use --dry-run for the predictions alone")
@@ -398,6 +409,41 @@ def main() -> None:
     emit(table([rows[c] for c in cases], gpu, args.dry_run), args.out)
 
 
+def _in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = {(m, n): i for i, (m, n) in enumerate(itertools.product(MODELS, CONFIGS))}
+    return sorted(rows, key=lambda r: order.get((r["model"], r["config"]), len(order)))
+
+
+def repredict(path: Path, jobs: int, out: str | None, log: str | None) -> None:
+    """Predict again, here, every case of a GPU run's JSON lines; the measured figures and the
+    reference columns stay as they were measured."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def again(row: dict[str, Any]) -> dict[str, Any]:
+        if row["model"] not in MODELS:  # not installed here: the GPU machine's prediction
+            return {**row, "stored": True}
+        gpu = row.get("gpu", "H100 80GB").split(" (")[0]
+        command = [sys.executable, __file__, "--one", row["model"], row["config"], "--gpu", gpu]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        try:
+            fresh = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            fresh = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+        kept = {k: v for k, v in row["predicted"].items() if k in ("memtracker", "torchinfo")}
+        return {**row, "predicted": {**fresh, **kept}}
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        rows = list(pool.map(again, rows))
+    if log is not None:
+        Path(log).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = table(_in_order(rows), rows[0].get("gpu", "?"), False)
+    where = (
+        f"The real figures were measured on the GPU and read from `{path.name}`; the predictions "
+        "were made again on the machine named above."
+    )
+    emit([*lines[:4], where, "", *lines[4:]], out)
+
+
 def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
     name = gpu if isinstance(gpu, str) else gpu.describe()
     lines = header(f"The estimator against {'nothing (dry run)' if dry else name}")
@@ -423,8 +469,9 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             alloc_errors.append(abs(ea))
         if er is not None:
             reserved_errors.append(abs(er))
+        mark = " †" if r.get("stored") else ""
         lines.append(
-            f"| {r['model']} | {r['config']} | {mib(real.get('peak_allocated'))} | "
+            f"| {r['model']}{mark} | {r['config']} | {mib(real.get('peak_allocated'))} | "
             f"{mib(pred.get('peak_allocated')) or pred.get('error', '')} | {pct(ea)} | "
             f"{mib(real.get('peak_reserved'))} | {mib(pred.get('peak_reserved'))} | {pct(er)} | "
             f"{pct(rule)} | {mib(pred.get('memtracker'))} | "
@@ -438,6 +485,12 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             f"Peak allocated: median error {statistics.median(alloc_errors):.1%}, worst "
             f"{max(alloc_errors):.1%} (targets: 3 %, 10 %). Peak reserved: median "
             f"{statistics.median(reserved_errors):.1%} (target: 8 %).",
+        ]
+    if any(r.get("stored") for r in rows):
+        lines += [
+            "",
+            "† predicted on the GPU machine: the model is not installed where the "
+            "others were predicted again.",
         ]
     return lines
 

@@ -7,6 +7,8 @@ themselves, and the allocator's rounding rules applied by hand to tensors that s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -321,14 +323,14 @@ def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
 
 
 def test_attention_runs_the_kernel_cuda_would_pick_and_saves_no_attention_matrix() -> None:
-    from memlab.estimate.kernels import cuda_attention
+    from memlab.estimate.kernels import cuda_functions
 
     b, h, n, d = 2, 4, 256, 32
     q, k, v = (torch.empty(b, h, n, d, device="meta", requires_grad=True) for _ in range(3))
     mask = torch.ones(n, n, dtype=torch.bool, device="meta").tril()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     plain = memlab.graph_of(sdpa(q, k, v, attn_mask=mask)).activation_bytes
-    with cuda_attention():
+    with cuda_functions():
         efficient = memlab.graph_of(
             torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         )
@@ -379,3 +381,58 @@ def test_the_predicted_timeline_is_the_allocator_models_and_says_so() -> None:
     assert min(tl.allocated) >= e.workspace  # the workspaces are held throughout
     ax = e.report.plot().axes[0]
     assert "meta-device run, not GPU time" in ax.get_xlabel()
+
+
+def test_dropout_saves_a_one_byte_mask_as_on_a_gpu() -> None:
+    from memlab.estimate.kernels import cuda_functions
+
+    x = torch.empty(64, 128, device="meta", requires_grad=True)
+    cpu_like = memlab.graph_of(torch.nn.functional.dropout(x, 0.1)).activation_bytes
+    with cuda_functions():
+        fused = memlab.graph_of(torch.nn.functional.dropout(x, 0.1)).activation_bytes
+        assert torch.nn.functional.dropout(x, 0.1, training=False) is x  # eval: untouched
+    assert cpu_like == 64 * 128 * 4  # a float32 mask
+    assert fused == 64 * 128  # CUDA's fused kernel: a bool mask
+
+
+def test_a_transformer_layer_without_grad_takes_the_fused_path_a_gpu_takes() -> None:
+    import memlab.estimate.kernels as kernels
+
+    calls: list[int] = []
+    fast = kernels._encoder_layer_fast
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return fast(*args, **kwargs)
+
+    def model_fn() -> torch.nn.Module:
+        return torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, norm_first=True)
+
+    def input_fn(b: int) -> torch.Tensor:
+        return torch.randn(b, 128, 256)
+
+    config = RunConfig(batch_size=8, mode="no_grad")
+    kernels._encoder_layer_fast = counted
+    try:
+        fused = estimate(model_fn, input_fn, None, config)
+    finally:
+        kernels._encoder_layer_fast = fast
+    separate = estimate(model_fn, input_fn, None, config, cuda_kernels=False)
+    assert len(calls) == 2  # the warm-up step and the measured one
+    # the separate ops copy the heads out of the packed projection; the fused path does not
+    assert fused.peak_allocated < separate.peak_allocated
+
+
+def test_an_lstm_out_of_training_runs_as_cudnns_single_call() -> None:
+    from memlab.estimate.kernels import cuda_functions
+
+    with torch.device("meta"):
+        lstm = nn.LSTM(64, 64, 2, batch_first=True).eval()
+        x = torch.empty(4, 32, 64)
+    cell_by_cell = memlab.graph_of(lstm(x)[0]).activation_bytes  # every step's gates
+    with cuda_functions():
+        out, (h, c) = lstm(x)
+        single = memlab.graph_of(out).activation_bytes
+    assert out.shape == (4, 32, 64) and h.shape == c.shape == (2, 4, 64)
+    assert not out.is_contiguous()  # cuDNN's output is sequence first: a transposed view
+    assert single < cell_by_cell / 4

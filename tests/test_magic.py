@@ -13,6 +13,15 @@ import memlab
 MiB = 1024**2
 
 
+@pytest.fixture(autouse=True)
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the CPU's tensor accounting. Where a GPU is present the magic's default
+    device would be the GPU instead: hide it (tests/test_cuda.py tests the GPU's path)."""
+    from memlab.core import devices
+
+    monkeypatch.setattr(devices, "_cuda_count", lambda: 0)
+
+
 def test_report_renders_under_the_cells_own_output(ip: Any, capsys: Any) -> None:
     r = run(ip, '%%gpumem -o rep\nprint("hello")\nx = torch.empty(1000, 1000)\nx.shape')
     assert r.success

@@ -12,8 +12,10 @@ training step is predicted by the estimator, here on the CPU, against the real a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -138,8 +140,10 @@ def test_a_real_trace_replays_through_the_allocator_model(path: Path) -> None:
 RUN_TRACES = [p for p in RECORDED if p.name != "trace-rules.json.gz"]
 
 
-@pytest.mark.parametrize("path", RUN_TRACES, ids=[p.name for p in RUN_TRACES])
-def test_the_estimator_predicts_a_recorded_step_on_the_cpu(path: Path) -> None:
+@functools.cache
+def predicted(path: Path) -> tuple[float, float, str]:
+    """The estimator, run here on the CPU, against one recorded step: the relative errors of its
+    peak allocated and peak reserved, and where its allocation stream parts from the GPU's."""
     cases = recorder()
     trace: dict[str, Any] = read(path)
     model_fn, input_fn, config = cases.RUNS[trace["case"]]
@@ -148,14 +152,30 @@ def test_the_estimator_predicts_a_recorded_step_on_the_cpu(path: Path) -> None:
     allocated = (e.peak_allocated - stats["peak_allocated"]) / stats["peak_allocated"]
     reserved = (e.peak_reserved - stats["peak_reserved"]) / stats["peak_reserved"]
     assert e.trace is not None
-    predicted = events_of(e.trace)[slice(*e.trace["measured"])]
+    mine = events_of(e.trace)[slice(*e.trace["measured"])]
     real = events_of(trace)[stats["measured_from"] : stats["measured_to"]]
     where = f"{trace['case']} on {trace['device']}, torch {trace['torch']}:\n" + str(
-        compare(predicted, real)
+        compare(mine, real)
     )
-    # the estimator's targets (issue: median 3 % allocated, 8 % reserved)
-    assert abs(allocated) <= 0.03, f"peak allocated off by {allocated:+.1%}; {where}"
-    assert abs(reserved) <= 0.08, f"peak reserved off by {reserved:+.1%}; {where}"
+    return allocated, reserved, where
+
+
+@pytest.mark.parametrize("path", RUN_TRACES, ids=[p.name for p in RUN_TRACES])
+def test_the_estimator_predicts_a_recorded_step_on_the_cpu(path: Path) -> None:
+    allocated, reserved, where = predicted(path)
+    # the issue's bound on the worst case; the medians are checked below
+    assert abs(allocated) <= 0.10, f"peak allocated off by {allocated:+.1%}; {where}"
+    # (reserved: cuDNN's convolution workspaces, not modelled, take segments of their own)
+    assert abs(reserved) <= 0.25, f"peak reserved off by {reserved:+.1%}; {where}"
+
+
+@pytest.mark.skipif(not RUN_TRACES, reason="no recorded traces in tests/data")
+def test_the_estimators_median_errors_over_the_recorded_steps_meet_the_targets() -> None:
+    errors = [predicted(p) for p in RUN_TRACES]
+    allocated = statistics.median(abs(a) for a, _, _ in errors)
+    reserved = statistics.median(abs(r) for _, r, _ in errors)
+    # the issue's targets: median 3 % for peak allocated, 8 % for peak reserved
+    assert allocated <= 0.03 and reserved <= 0.08, [e[:2] for e in errors]
 
 
 def test_a_window_that_starts_with_a_free_keeps_what_was_there_as_its_peak() -> None:

@@ -225,7 +225,7 @@ class Dictionary(nn.Module):
 
 
 def test_a_model_that_returns_a_mapping_trains_on_its_own_loss_or_its_first_tensor() -> None:
-    config = RunConfig(batch_size=8, optimizer="sgd")
+    config = RunConfig(batch_size=8, optimizer="sgd", device="cpu")
     plain = run(Dictionary, lambda b: torch.randn(b, 16), None, config)
     assert plain.report is not None and plain.error is None  # the logits' mean square
     given = run(Dictionary, lambda b: (torch.randn(b, 16), torch.randn(b, 16)), None, config)
@@ -244,3 +244,22 @@ def test_a_model_that_returns_a_mapping_trains_on_its_own_loss_or_its_first_tens
     # outputs kept detached: a mapping of detached tensors, no graph
     kept = run(Dictionary, lambda b: torch.randn(b, 16), None, config.with_(retention="detached"))
     assert kept.report is not None and kept.error is None
+
+
+def test_an_fp16_warm_up_that_overflows_is_repeated_until_the_optimizer_steps() -> None:
+    # at the scaler's initial scale (65536) these gradients overflow float16: the scaler skips
+    # the optimizer's step, which would leave the measured step without the optimizer's state
+    def model_fn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean() * 64
+
+    config = RunConfig(batch_size=8, amp="fp16", device="cpu")
+    r = run(model_fn, lambda b: torch.ones(b, 64), loss_fn, config)
+    assert r.report is not None and r.report.breakdown is not None
+    state = r.report.breakdown.highest.get(Category.OPTIMIZER_STATE, 0)
+    params = list(model_fn().parameters())
+    # Adam's two moments, and a float32 step counter per parameter
+    assert state == 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)

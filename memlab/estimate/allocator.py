@@ -89,12 +89,15 @@ class CachingAllocator:
         self._next_addr = 1 << 32  # segments get increasing addresses, never reused
 
     # -- the public operations ------------------------------------------------------------------
-    def malloc(self, size: int, stream: int = 0) -> int:
+    def malloc(self, size: int, stream: int = 0, segment_at: int | None = None) -> int:
+        """``segment_at``: where the driver put the segment, if this request needs a new one (a
+        replayed trace knows it). Ties between equal free blocks go to the lowest address, so
+        where segments lie decides which of them a later request takes."""
         rounded = round_size(size)
         small = rounded <= SMALL_SIZE
         block = self._take_free(rounded, small, stream)
         if block is None:
-            block = self._new_segment(rounded, small, stream)
+            block = self._new_segment(rounded, small, stream, segment_at)
         block = self._maybe_split(block, rounded)
         block.free = False
         handle = next(self._handles)
@@ -144,7 +147,7 @@ class CachingAllocator:
             return None
         return pool.pop(i)[2]
 
-    def _new_segment(self, rounded: int, small: bool, stream: int) -> Block:
+    def _new_segment(self, rounded: int, small: bool, stream: int, at: int | None) -> Block:
         size = segment_size(rounded)
         if self.capacity is not None and self.stats.reserved + size > self.capacity:
             self.stats.alloc_retries += 1
@@ -155,8 +158,9 @@ class CachingAllocator:
                     f"cannot reserve {size:,} B more: {self.stats.reserved:,} B of "
                     f"{self.capacity:,} B are reserved, {self.stats.allocated:,} B allocated"
                 )
-        addr = self._next_addr
-        self._next_addr += size + ROUND_LARGE  # a gap: segments are never contiguous
+        # without the driver's address: increasing ones, with a gap (never contiguous)
+        addr = self._next_addr if at is None else at
+        self._next_addr = max(self._next_addr, addr + size + ROUND_LARGE)
         self.stats.reserved += size
         self.stats.segments += 1
         self.stats.peak_reserved = max(self.stats.peak_reserved, self.stats.reserved)

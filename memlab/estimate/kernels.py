@@ -4,7 +4,7 @@ Attention: ``F.scaled_dot_product_attention`` picks a kernel by device. On ``met
 CPU in training) it falls back to the "math" version, which computes and saves the whole
 ``(batch, heads, L, S)`` attention matrix (and a dropout mask); on a recent NVIDIA GPU it picks
 FlashAttention or the memory-efficient kernel, which save the output and one log-sum-exp per row
-instead. `cuda_attention()` makes the estimator's step call the kernel CUDA would choose, in
+instead. `cuda_functions()` makes the estimator's step call the kernel CUDA would choose, in
 PyTorch's order of preference: FlashAttention for float16/bfloat16 without a mask, then the
 memory-efficient kernel (masks included), then math.
 
@@ -14,19 +14,42 @@ on a thread of its own, so a training step holds two workspaces: the forward's a
 backward's. A product with a bias (``addmm``: ``nn.Linear``) goes through cuBLASLt, which takes a
 workspace of its own on its first call. `CublasHandles` sees, on ``meta``, when each of those
 first calls happens, so the estimator allocates the workspaces where a CUDA run would.
+
+Dropout: on a GPU, ``F.dropout`` in training runs one fused kernel whose mask is one byte per
+element; elsewhere it is a mask of the input's dtype (four bytes in float32), which the backward
+keeps. `cuda_functions()` makes the step call the fused kernel.
+
+The fast paths of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``: without grad, in
+eval mode, PyTorch runs a layer as one native call on CPUs and GPUs, but not on ``meta``, which
+would take the slower path of separate ops (copies of the heads included). `cuda_functions()`
+lets ``meta`` take the fast path and gives those calls what a GPU allocates: the packed input
+projection, the attention kernel, the output projection and the feed-forward block. Only the
+fast path without a mask is emulated; with a mask, the layer takes the separate ops, as before.
+
+Recurrent layers out of training: a GPU runs ``nn.LSTM`` through cuDNN, one call that keeps no
+per-step state when the layer is in eval mode; on ``meta`` it would run cell by cell and, with
+grad enabled, keep every step's gates. `cuda_functions()` runs an LSTM in eval mode through
+cuDNN's call on ``meta``. In training the cell-by-cell run stays: its saved gates are close to
+cuDNN's reserve space, whose size only cuDNN knows (as it knows its workspace, not modelled).
+
+Random-number state: the attention kernels return their generator's seed and offset as CPU
+tensors (outside CUDA graph capture), not on the GPU. `HostRandomState` puts them there too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.estimate.autocast import HALF
+from memlab.estimate.autocast import HALF, _region
 
 aten = torch.ops.aten
 #: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
@@ -155,19 +178,6 @@ def _attention_meta_kernels() -> Iterator[None]:
         library._destroy()  # the kernels go with it
 
 
-@contextlib.contextmanager
-def cuda_attention() -> Iterator[None]:
-    """Within the block, ``F.scaled_dot_product_attention`` (also as ``nn.MultiheadAttention``
-    and ``nn.Transformer*`` call it) runs the kernel CUDA would pick."""
-    before = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = attention
-    try:
-        with _attention_meta_kernels():
-            yield
-    finally:
-        F.scaled_dot_product_attention = before
-
-
 class CublasHandles(TorchDispatchMode):
     """Calls ``take(key)`` the first time the step needs each cuBLAS workspace: ``"forward"``
     and ``"backward"`` (the thread's handle; recomputation of checkpointed regions runs in the
@@ -191,3 +201,312 @@ class CublasHandles(TorchDispatchMode):
                     self.taken.append(key)
                     self.take(key)
         return out
+
+
+# -- dropout, transformer fast paths and the generator's state, as on a GPU ---------------------
+_ORIGINAL_DROPOUT = F.dropout
+
+
+def dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    """``F.dropout`` as CUDA runs it: in training, out of place, the fused kernel (a one-byte
+    mask). In place, CUDA too takes the unfused path (a mask of the input's dtype)."""
+    fused = training and not inplace and 0.0 < p < 1.0 and input.numel() > 0
+    if fused and input.device.type == "meta":
+        return torch.ops.aten.native_dropout(input, p, True)[0]  # type: ignore[no-any-return]
+    return _ORIGINAL_DROPOUT(input, p, training, inplace)
+
+
+_NATIVE_MHA = torch._native_multi_head_attention
+_ENCODER_LAYER = torch._transformer_encoder_layer_fwd
+
+
+def _mha_fast(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    embed_dim: int,
+    num_heads: int,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    average_attn_weights: bool = True,
+    mask_type: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch._native_multi_head_attention`` as a GPU runs self-attention without a mask or
+    weights: one packed projection, the attention kernel on views of it, one projection out.
+    Other calls go to the op itself (its meta kernel: the outputs alone)."""
+    if mask is not None or need_weights or not (query is key is value):
+        return _NATIVE_MHA(
+            query,
+            key,
+            value,
+            embed_dim,
+            num_heads,
+            qkv_weight,
+            qkv_bias,
+            proj_weight,
+            proj_bias,
+            mask,
+            need_weights,
+            average_attn_weights,
+            mask_type,
+        )
+    b, n = query.shape[:2]
+    qkv = F.linear(query, qkv_weight, qkv_bias)
+    heads = qkv.view(b, n, 3, num_heads, embed_dim // num_heads).permute(2, 0, 3, 1, 4)
+    y = attention(heads[0], heads[1], heads[2])  # (b, h, n, d), laid out as (b, n, h, d)
+    out = F.linear(y.transpose(1, 2).reshape(b, n, embed_dim), proj_weight, proj_bias)
+    return out, query.new_empty(0)
+
+
+def _encoder_layer_fast(
+    src: torch.Tensor,
+    embed_dim: int,
+    num_heads: int,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor,
+    use_gelu: bool,
+    norm_first: bool,
+    eps: float,
+    norm_weight_1: torch.Tensor,
+    norm_bias_1: torch.Tensor,
+    norm_weight_2: torch.Tensor,
+    norm_bias_2: torch.Tensor,
+    ffn_weight_1: torch.Tensor,
+    ffn_bias_1: torch.Tensor,
+    ffn_weight_2: torch.Tensor,
+    ffn_bias_2: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    mask_type: int | None = None,
+) -> torch.Tensor:
+    """``torch._transformer_encoder_layer_fwd`` as a GPU runs it without a mask: the residual
+    sums in place, the feed-forward activation in place on the first projection's output. With
+    a mask, the op itself (its meta kernel: the output alone)."""
+    if mask is not None:
+        return _ENCODER_LAYER(
+            src,
+            embed_dim,
+            num_heads,
+            qkv_weight,
+            qkv_bias,
+            proj_weight,
+            proj_bias,
+            use_gelu,
+            norm_first,
+            eps,
+            norm_weight_1,
+            norm_bias_1,
+            norm_weight_2,
+            norm_bias_2,
+            ffn_weight_1,
+            ffn_bias_1,
+            ffn_weight_2,
+            ffn_bias_2,
+            mask,
+            mask_type,
+        )
+    shape = (embed_dim,)
+    x = F.layer_norm(src, shape, norm_weight_1, norm_bias_1, eps) if norm_first else src
+    weights = (qkv_weight, qkv_bias, proj_weight, proj_bias)
+    x = _mha_fast(x, x, x, embed_dim, num_heads, *weights, need_weights=False)[0]
+    x.add_(src)
+    if not norm_first:
+        x = F.layer_norm(x, shape, norm_weight_1, norm_bias_1, eps)
+    normed = F.layer_norm(x, shape, norm_weight_2, norm_bias_2, eps) if norm_first else x
+    h = F.linear(normed, ffn_weight_1, ffn_bias_1)
+    h = torch.ops.aten.gelu_(h) if use_gelu else h.relu_()
+    out = F.linear(h, ffn_weight_2, ffn_bias_2)
+    del h, normed  # the block's input lives until its output exists
+    out.add_(x)
+    if not norm_first:
+        out = F.layer_norm(out, shape, norm_weight_2, norm_bias_2, eps)
+    return out
+
+
+_ORIGINAL_LSTM = torch._VF.lstm
+
+
+def _lstm(*args: Any, **kwargs: Any) -> Any:
+    """``_VF.lstm`` (unpacked input) out of training, on ``meta``, as cuDNN runs it on a GPU."""
+    if len(args) != 9 or kwargs or not isinstance(args[1], (tuple, list)):
+        return _ORIGINAL_LSTM(*args, **kwargs)
+    input, (h0, c0), weights, _, layers, p, train, bidirectional, batch_first = args
+    if train or input.device.type != "meta" or _region() is not None:
+        return _ORIGINAL_LSTM(*args, **kwargs)
+    hidden = c0.shape[-1]
+    proj = h0.shape[-1] if h0.shape[-1] != hidden else 0
+    stride = len(weights) // (layers * (2 if bidirectional else 1))
+    # cuDNN works sequence first: a batch-first input is copied to that layout, and the output
+    # comes back as a transposed view of a sequence-first tensor (not contiguous)
+    seq_first = input.transpose(0, 1).contiguous() if batch_first else input
+    lstm_mode = 2  # cuDNN's mode number for an LSTM
+    out = torch._cudnn_rnn(
+        seq_first,
+        weights,
+        stride,
+        None,
+        h0,
+        c0,
+        lstm_mode,
+        hidden,
+        proj,
+        layers,
+        False,
+        p,
+        False,
+        bidirectional,
+        [],
+        None,
+    )
+    del seq_first
+    output = out[0].transpose(0, 1) if batch_first else out[0]
+    return output, out[1], out[2]
+
+
+def _on_meta(fast: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()))
+        return (fast if first.device.type == "meta" else original)(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _meta_as_a_gpu() -> Iterator[None]:
+    """The fast paths run only on the devices they list: a private backend's name among them.
+    For the block, that name is "meta"."""
+    import torch.utils.backend_registration as registration
+
+    before = registration._privateuse1_backend_name
+    registration._privateuse1_backend_name = "meta"
+    try:
+        yield
+    finally:
+        registration._privateuse1_backend_name = before
+
+
+def _fast_path_allowed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the emulated fast path may run: on meta, no mask, no weights asked for, and no
+    emulated autocast (under real autocast the fast path is off)."""
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+    masks = ("attn_mask", "key_padding_mask", "src_mask", "src_key_padding_mask")
+    first = args[0] if args else bound.get("src", bound.get("query"))
+    return (
+        isinstance(first, torch.Tensor)
+        and first.device.type == "meta"
+        and all(bound.get(m) is None for m in masks)
+        and not bound.get("need_weights", False)
+        and _region() is None
+    )
+
+
+def _fast_path_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _fast_path_allowed(self, args, kwargs):
+            with _meta_as_a_gpu():
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def cuda_functions() -> Iterator[None]:
+    """Within the block, on ``meta``: attention through the kernel CUDA would pick (also as
+    ``nn.MultiheadAttention`` and ``nn.Transformer*`` call it), dropout through the fused kernel,
+    and the transformer layers' fast paths as a GPU takes them."""
+    patches: list[tuple[Any, str, Any]] = [
+        (F, "scaled_dot_product_attention", attention),
+        (F, "dropout", dropout),
+        (
+            torch,
+            "_native_multi_head_attention",
+            _on_meta(_mha_fast, torch._native_multi_head_attention),
+        ),
+        (
+            torch,
+            "_transformer_encoder_layer_fwd",
+            _on_meta(_encoder_layer_fast, _ENCODER_LAYER),
+        ),
+        (nn.MultiheadAttention, "forward", _fast_path_forward(nn.MultiheadAttention.forward)),
+        (
+            nn.TransformerEncoderLayer,
+            "forward",
+            _fast_path_forward(nn.TransformerEncoderLayer.forward),
+        ),
+        (torch._VF, "lstm", _lstm),
+    ]
+    missing = object()  # torch._VF finds its functions through __getattr__, not its __dict__
+    before = [(owner, name, owner.__dict__.get(name, missing)) for owner, name, _ in patches]
+    try:
+        for owner, name, new in patches:
+            setattr(owner, name, new)
+        with _attention_meta_kernels():
+            yield
+    finally:
+        for owner, name, old in reversed(before):
+            if old is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+class ContiguousInputs(TorchDispatchMode):
+    """Kernels that work on a contiguous copy of a strided input, which their meta versions do
+    not make: CUDA's layer norm (``native_layer_norm``) copies a non-contiguous input (a
+    transposed view, or the sum of one) for the call's duration. Enter it after the accounting's
+    mode, so that the accounting sees the copy."""
+
+    OPS = frozenset((aten.native_layer_norm.default,))
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        first = args[0] if args else None
+        if (
+            func in self.OPS
+            and isinstance(first, torch.Tensor)
+            and first.device.type == "meta"
+            and not first.is_contiguous()
+        ):
+            copy = torch.empty(first.shape, dtype=first.dtype, device=first.device)
+            out = func(*args, **(kwargs or {}))
+            del copy  # freed when the kernel returns, after its outputs exist
+            return out
+        return func(*args, **(kwargs or {}))
+
+
+#: Ops whose outputs at these positions are the generator's seed and offset, on the CPU on a GPU
+#: (FlashAttention keeps them on the GPU: two 8-byte tensors, as the traces show).
+_HOST_OUTPUTS = {
+    "_scaled_dot_product_efficient_attention": (2, 3),
+    "_efficient_attention_forward": (2, 3),
+}
+
+
+class HostRandomState(TorchDispatchMode):
+    """Moves the attention kernels' seed and offset outputs to the CPU, as a GPU returns them.
+    Enter it before the accounting's mode, so that the accounting sees them there."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        where = _HOST_OUTPUTS.get(func.overloadpacket.__name__)
+        if where is None or not isinstance(out, tuple):
+            return out
+        moved = list(out)
+        for i in where:
+            t = moved[i]
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                moved[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return tuple(moved)

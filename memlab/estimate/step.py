@@ -16,10 +16,13 @@ AMP configurations run under `memlab.estimate.autocast.emulated`, CUDA's autocas
 in Python (real autocast does not run on ``meta``); the gradient scaler's few bytes are left out.
 
 ``F.scaled_dot_product_attention`` runs the kernel CUDA would pick (`memlab.estimate.kernels`):
-FlashAttention or the memory-efficient kernel, which save no attention matrix.
+FlashAttention or the memory-efficient kernel, which save no attention matrix. Dropout runs
+CUDA's fused kernel (a one-byte mask), the transformer layers take their fused path without grad
+as on a GPU, and an LSTM out of training runs as cuDNN's single call.
 
-What is not modelled yet, and said so in every estimate's notes: cuDNN (convolution workspaces,
-RNNs), and other kernels whose CUDA versions save or allocate differently from their meta ones.
+What is not modelled, and said so in every estimate's notes: cuDNN's workspaces (convolutions,
+and an RNN's workspace and reserve space in training), the staging buffers of CUDA's reductions,
+and other kernels whose CUDA versions allocate differently from their meta ones.
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
-from memlab.estimate.kernels import CublasHandles, cuda_attention
+from memlab.estimate.kernels import (
+    ContiguousInputs,
+    CublasHandles,
+    HostRandomState,
+    cuda_functions,
+)
 from memlab.region import track
 from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
@@ -298,8 +306,9 @@ def estimate(
         workspace.
     workspace: the cuBLAS workspace of each handle in bytes, overriding the GPU's default (0: no
         cuBLAS or cuBLASLt workspace).
-    cuda_kernels: run attention through the kernels CUDA would pick (False: meta's own, which
-        are the CPU's; useful to compare an estimate with a CPU run).
+    cuda_kernels: run attention, dropout and the transformer layers' fast paths as CUDA does
+        (`memlab.estimate.kernels`); False: as meta's own kernels, which are the CPU's (useful to
+        compare an estimate with a CPU run).
     trace: keep the predicted allocation stream (`Estimate.trace`).
     """
     config = (config or RunConfig()).with_(device="meta", budget=None)
@@ -355,10 +364,15 @@ def estimate(
     ledger = default_ledger()
     ledger.attach(replay)
     try:
-        # accounting for the whole run, warm-up included, for the replay; attention through the
-        # kernels CUDA would pick
-        kernels = cuda_attention() if cuda_kernels else contextlib.nullcontext()
-        with track(META), kernels, CublasHandles(take_workspace), _meta_device_module():
+        # accounting for the whole run, warm-up included, for the replay; attention, dropout and
+        # the transformer layers' fast paths as CUDA runs them (the seed and offset of the
+        # attention kernels' generator on the CPU: the accounting's mode, entered after, sees
+        # them there)
+        null = contextlib.nullcontext
+        kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
+        copies = ContiguousInputs() if cuda_kernels else null()
+        handles = CublasHandles(take_workspace)
+        with host, track(META), kernels, copies, handles, _meta_device_module():
             result = run(
                 on_meta_model, on_meta_input, loss_fn, config, on_measure=measuring, foreach=True
             )
@@ -393,7 +407,7 @@ def _prediction(
     after = during[-1]
     notes = [
         _workspace_note(workspaces),
-        "not modelled: cuDNN workspaces and RNNs, other CUDA-only kernels",
+        "not modelled: cuDNN workspaces, reductions' staging buffers, other CUDA-only buffers",
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
     ]
     if replay.failed is not None:

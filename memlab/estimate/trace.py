@@ -152,6 +152,7 @@ def replay(
     handles: dict[int, int] = {}
     real_requested = real_reserved = 0
     pending_segment: int | None = None  # a real segment_alloc waiting for its allocation
+    pending_at: int | None = None  # and where the driver put it
     agreed = allocations = 0
     first: Divergence | None = None
     freeing_segments = False
@@ -162,7 +163,7 @@ def replay(
         if action != "segment_free":
             freeing_segments = False
         if action == "segment_alloc":
-            pending_segment = size
+            pending_segment, pending_at = size, addr
             real_reserved += size
         elif action == "segment_free":
             real_reserved -= size
@@ -173,7 +174,7 @@ def replay(
             allocations += 1
             real_requested += size
             before = model.stats.reserved
-            handles[addr] = model.malloc(size, int(e.get("stream", 0)))
+            handles[addr] = model.malloc(size, int(e.get("stream", 0)), pending_at)
             grew = model.stats.reserved - before
             real = f"reserved a {pending_segment:,} B segment" if pending_segment else "reused"
             mine = f"reserved a {grew:,} B segment" if grew else "reused"
@@ -182,7 +183,7 @@ def replay(
                     agreed += 1
                 else:
                     first = Divergence(i, e, real, mine)
-            pending_segment = None
+            pending_segment = pending_at = None
         elif action in ("free_completed", "free_requested"):
             handle = handles.pop(addr, None)  # freed once: requested, then completed
             if handle is not None:

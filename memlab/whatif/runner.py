@@ -106,6 +106,13 @@ def run(
         try:
             if config.warmup:
                 step(lambda t: None)
+                # with fp16, the scaler skips the optimizer's step while the scaled gradients
+                # overflow (often the first steps, at its initial scale): warm up again until
+                # one is taken, so the measured step finds the optimizer's state in place
+                for _ in range(SCALER_RETRIES if scaler is not None else 0):
+                    if not _skipped(opt):
+                        break
+                    step(lambda t: None)
             if on_measure is not None:
                 on_measure("start")
             with region:
@@ -130,6 +137,18 @@ def run(
         else None
     )
     return RunResult(config, report, oom=over, error=error, series=tuple(series))
+
+
+#: Warm-up steps tried again at most, while an fp16 scaler skips the optimizer's step.
+SCALER_RETRIES = 8
+
+
+def _skipped(opt: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer has not stepped yet: no state (the stateless SGD without momentum
+    counts as stepped)."""
+    if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
+        return False
+    return not any(opt.state.values())
 
 
 # -- the step ---------------------------------------------------------------------------------
