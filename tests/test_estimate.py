@@ -436,3 +436,26 @@ def test_an_lstm_out_of_training_runs_as_cudnns_single_call() -> None:
     assert out.shape == (4, 32, 64) and h.shape == c.shape == (2, 4, 64)
     assert not out.is_contiguous()  # cuDNN's output is sequence first: a transposed view
     assert single < cell_by_cell / 4
+
+
+def test_the_model_reaches_the_gpu_as_moved_there_a_tied_weight_once() -> None:
+    from memlab.estimate.trace import events_of
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 48)
+            self.head = nn.Linear(48, 1000, bias=False)
+            self.head.weight = self.emb.weight
+            scratch = torch.empty(1000, 48) * 2  # built and dropped: never on the GPU
+            del scratch
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.emb(ids))
+            return out
+
+    config = RunConfig(batch_size=4, mode="no_grad")
+    e = estimate(Tied, lambda b: torch.randint(0, 1000, (b, 16)), None, config, trace=True)
+    assert e.trace is not None
+    sizes = [ev["size"] for ev in events_of(e.trace) if ev["action"] == "alloc"]
+    assert sizes.count(1000 * 48 * 4) == 1  # one copy of the shared weight, and no scratch

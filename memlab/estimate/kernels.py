@@ -460,28 +460,29 @@ def cuda_functions() -> Iterator[None]:
                 setattr(owner, name, old)
 
 
-class ContiguousInputs(TorchDispatchMode):
-    """Kernels that work on a contiguous copy of a strided input, which their meta versions do
-    not make: CUDA's layer norm (``native_layer_norm``) copies a non-contiguous input (a
-    transposed view, or the sum of one) for the call's duration. Enter it after the accounting's
-    mode, so that the accounting sees the copy."""
+class CudaAllocations(TorchDispatchMode):
+    """Kernels whose CUDA versions allocate more, or in another order, than their meta ones:
 
-    OPS = frozenset((aten.native_layer_norm.default,))
+    - CUDA's layer norm (``native_layer_norm``) works on a contiguous copy of a strided input (a
+      transposed view, or the sum of one), for the call's duration;
+    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output.
+
+    Enter it after the accounting's mode, so that the accounting sees what it allocates."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         first = args[0] if args else None
-        if (
-            func in self.OPS
-            and isinstance(first, torch.Tensor)
-            and first.device.type == "meta"
-            and not first.is_contiguous()
-        ):
+        if not isinstance(first, torch.Tensor) or first.device.type != "meta":
+            return func(*args, **(kwargs or {}))
+        if func is aten.native_layer_norm.default and not first.is_contiguous():
             copy = torch.empty(first.shape, dtype=first.dtype, device=first.device)
             out = func(*args, **(kwargs or {}))
             del copy  # freed when the kernel returns, after its outputs exist
             return out
+        if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
+            mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
+            return torch.empty_like(first), mask
         return func(*args, **(kwargs or {}))
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab.core.categories import Category
 from memlab.core.ledger import default_ledger
@@ -46,8 +47,8 @@ from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryErro
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.estimate.kernels import (
-    ContiguousInputs,
     CublasHandles,
+    CudaAllocations,
     HostRandomState,
     cuda_functions,
 )
@@ -329,7 +330,10 @@ def estimate(
     units: list[int] = []
 
     def on_meta_model() -> Any:
-        with redirected():
+        # built outside the accounting, then given fresh storage within it, as `.to("cuda")`
+        # moves a model built on the CPU: one allocation per parameter and buffer, in module
+        # order, and none of what the construction allocated and freed on the way
+        with _disable_current_modes(), redirected():
             model: Any = model_fn()  # not always a Module: run() says what is wrong then
         if not isinstance(model, torch.nn.Module):
             return model
@@ -340,6 +344,15 @@ def estimate(
                 " for an estimate, model_fn must build the model, so that it can be built on "
                 "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
             )
+        fresh: dict[int, torch.Tensor] = {}
+
+        def materialize(t: torch.Tensor) -> torch.Tensor:  # a tied weight moves once
+            if id(t) not in fresh:
+                fresh[id(t)] = torch.empty_like(t)
+            return fresh[id(t)]
+
+        model._apply(materialize)
+        fresh.clear()
         if not units:
             named = dict(model.named_modules())
             units.extend(
@@ -370,7 +383,7 @@ def estimate(
         # them there)
         null = contextlib.nullcontext
         kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
-        copies = ContiguousInputs() if cuda_kernels else null()
+        copies = CudaAllocations() if cuda_kernels else null()
         handles = CublasHandles(take_workspace)
         with host, track(META), kernels, copies, handles, _meta_device_module():
             result = run(
