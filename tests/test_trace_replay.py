@@ -207,3 +207,22 @@ def test_compact_keeps_what_replay_reads_and_drops_the_stack_frames() -> None:
     assert small["device_traces"][0] == [dict(e, time_us=i) for i, e in enumerate(rules_trace())]
     assert small["segments"] == [dict(segment, blocks=blocks)]
     assert replay(small).exact
+
+
+# -- the validation's runs (benchmarks/validate_estimator.py --traces), one step of each case --
+VALIDATION = sorted((DATA / "validation").glob("*.json.gz"))
+
+
+@pytest.mark.parametrize(
+    "path", VALIDATION, ids=[p.name.removesuffix(".json.gz") for p in VALIDATION]
+)
+def test_the_allocator_model_replays_every_validation_run(path: Path) -> None:
+    # ten models, seven configurations, recorded on a GPU (benchmarks/results/estimator-gpu.md)
+    trace: dict[str, Any] = read(path)
+    stats = trace["stats"]
+    whole = replay(trace)
+    assert whole.first_divergence is None, f"{trace['model']}, {trace['config']}:\n{whole}"
+    assert whole.model_reserved == whole.real_reserved
+    step = replay(trace, stats["measured_from"], stats["measured_to"])
+    assert step.model_peak_allocated == stats["peak_allocated"]
+    assert step.model_peak_reserved == stats["peak_reserved"]
