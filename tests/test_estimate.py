@@ -459,3 +459,27 @@ def test_the_model_reaches_the_gpu_as_moved_there_a_tied_weight_once() -> None:
     assert e.trace is not None
     sizes = [ev["size"] for ev in events_of(e.trace) if ev["action"] == "alloc"]
     assert sizes.count(1000 * 48 * 4) == 1  # one copy of the shared weight, and no scratch
+
+
+def test_the_fused_attention_path_is_emulated_only_where_a_gpu_takes_it_without_weights() -> None:
+    from memlab.estimate.kernels import _fast_path_allowed, cuda_functions
+
+    with torch.device("meta"):
+        attn = nn.MultiheadAttention(64, 4, batch_first=True).eval()
+        x = torch.empty(4, 32, 64)
+
+        class Layer(nn.TransformerEncoderLayer):  # a forward of its own, calling the class's
+            def forward(self, h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+                out: torch.Tensor = super().forward(h) * scale
+                return out
+
+        layer = Layer(64, 4, 128, batch_first=True).eval()
+    forward = nn.MultiheadAttention.forward
+    mask = torch.ones(32, 32, dtype=torch.bool, device="meta")
+    assert not _fast_path_allowed(forward, attn, (x, x, x), {})  # need_weights=True by default
+    assert _fast_path_allowed(forward, attn, (x, x, x), {"need_weights": False})
+    assert not _fast_path_allowed(
+        forward, attn, (x, x, x), {"need_weights": False, "attn_mask": mask}
+    )
+    with cuda_functions(), torch.no_grad():
+        assert layer(x, scale=2.0).shape == x.shape

@@ -393,17 +393,25 @@ def _meta_as_a_gpu() -> Iterator[None]:
         registration._privateuse1_backend_name = before
 
 
-def _fast_path_allowed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the emulated fast path may run: on meta, no mask, no weights asked for, and no
-    emulated autocast (under real autocast the fast path is off)."""
-    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+def _fast_path_allowed(
+    forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether the emulated fast path may run: on meta, no mask, no weights asked for (the
+    default of ``nn.MultiheadAttention``), and no emulated autocast (under real autocast the fast
+    path is off). ``forward``: the class's own, whose signature the call follows."""
+    try:
+        call = inspect.signature(forward).bind(module, *args, **kwargs)
+    except TypeError:  # a call the forward would refuse: let it say so
+        return False
+    call.apply_defaults()
+    bound = call.arguments
     masks = ("attn_mask", "key_padding_mask", "src_mask", "src_key_padding_mask")
     first = args[0] if args else bound.get("src", bound.get("query"))
     return (
         isinstance(first, torch.Tensor)
         and first.device.type == "meta"
         and all(bound.get(m) is None for m in masks)
-        and not bound.get("need_weights", False)
+        and not bound.get("need_weights", False)  # (absent from the encoder layer's forward)
         and _region() is None
     )
 
@@ -411,7 +419,7 @@ def _fast_path_allowed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
 def _fast_path_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _fast_path_allowed(self, args, kwargs):
+        if _fast_path_allowed(original, self, args, kwargs):
             with _meta_as_a_gpu():
                 return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
