@@ -110,14 +110,19 @@ DATA = Path(__file__).parent / "data"
 RECORDED = sorted(DATA.glob("trace-*.json.gz"))
 
 
-def recorder() -> ModuleType:
-    """benchmarks/record_traces.py, which defines the recorded cases."""
-    path = Path(__file__).parent.parent / "benchmarks" / "record_traces.py"
-    spec = importlib.util.spec_from_file_location("record_traces", path)
+def script(name: str) -> ModuleType:
+    """benchmarks/NAME.py, loaded as a module."""
+    path = Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def recorder() -> ModuleType:
+    """benchmarks/record_traces.py, which defines the recorded cases."""
+    return script("record_traces")
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.name for p in RECORDED])
@@ -226,3 +231,26 @@ def test_the_allocator_model_replays_every_validation_run(path: Path) -> None:
     step = replay(trace, stats["measured_from"], stats["measured_to"])
     assert step.model_peak_allocated == stats["peak_allocated"]
     assert step.model_peak_reserved == stats["peak_reserved"]
+
+
+#: Validation runs of models from torch.nn whose steps go through the kernels memlab emulates
+#: (the transformer layers' fused path, pre-norm and post-norm; cuDNN's LSTM out of training).
+EMULATED = [
+    ("encoder (bert-base width)", "no_grad"),
+    ("vit-s/16", "no_grad"),
+    ("lstm", "eval with grad"),
+]
+
+
+@pytest.mark.parametrize(("model", "case"), EMULATED)
+def test_the_estimator_predicts_validation_runs_through_the_emulated_kernels(
+    model: str, case: str
+) -> None:
+    validation = script("validate_estimator")
+    trace: dict[str, Any] = read(
+        DATA / "validation" / f"{validation.case_file(model, case)}.json.gz"
+    )
+    model_fn, input_fn, _, _ = validation.MODELS[model]
+    e = estimate(model_fn, input_fn, None, validation.config(model, case), gpu="H100 80GB")
+    real = trace["stats"]["peak_allocated"]
+    assert abs(e.peak_allocated - real) <= 0.01 * real, (e.peak_allocated, real)

@@ -218,10 +218,6 @@ def dropout(
     return _ORIGINAL_DROPOUT(input, p, training, inplace)
 
 
-_NATIVE_MHA = torch._native_multi_head_attention
-_ENCODER_LAYER = torch._transformer_encoder_layer_fwd
-
-
 def _mha_fast(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -236,26 +232,13 @@ def _mha_fast(
     need_weights: bool = True,
     average_attn_weights: bool = True,
     mask_type: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``torch._native_multi_head_attention`` as a GPU runs self-attention without a mask or
     weights: one packed projection, the attention kernel on views of it, one projection out.
-    Other calls go to the op itself (its meta kernel: the outputs alone)."""
+    Other calls: None (`_on_meta` then calls the op, whose meta kernel gives the outputs
+    alone)."""
     if mask is not None or need_weights or not (query is key is value):
-        return _NATIVE_MHA(
-            query,
-            key,
-            value,
-            embed_dim,
-            num_heads,
-            qkv_weight,
-            qkv_bias,
-            proj_weight,
-            proj_bias,
-            mask,
-            need_weights,
-            average_attn_weights,
-            mask_type,
-        )
+        return None
     b, n = query.shape[:2]
     qkv = F.linear(query, qkv_weight, qkv_bias)
     heads = qkv.view(b, n, 3, num_heads, embed_dim // num_heads).permute(2, 0, 3, 1, 4)
@@ -285,37 +268,19 @@ def _encoder_layer_fast(
     ffn_bias_2: torch.Tensor,
     mask: torch.Tensor | None = None,
     mask_type: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """``torch._transformer_encoder_layer_fwd`` as a GPU runs it without a mask: the residual
     sums in place, the feed-forward activation in place on the first projection's output. With
-    a mask, the op itself (its meta kernel: the output alone)."""
+    a mask: None (`_on_meta` then calls the op, whose meta kernel gives the output alone)."""
     if mask is not None:
-        return _ENCODER_LAYER(
-            src,
-            embed_dim,
-            num_heads,
-            qkv_weight,
-            qkv_bias,
-            proj_weight,
-            proj_bias,
-            use_gelu,
-            norm_first,
-            eps,
-            norm_weight_1,
-            norm_bias_1,
-            norm_weight_2,
-            norm_bias_2,
-            ffn_weight_1,
-            ffn_bias_1,
-            ffn_weight_2,
-            ffn_bias_2,
-            mask,
-            mask_type,
-        )
+        return None
     shape = (embed_dim,)
     x = F.layer_norm(src, shape, norm_weight_1, norm_bias_1, eps) if norm_first else src
     weights = (qkv_weight, qkv_bias, proj_weight, proj_bias)
-    x = _mha_fast(x, x, x, embed_dim, num_heads, *weights, need_weights=False)[0]
+    attended = _mha_fast(x, x, x, embed_dim, num_heads, *weights, need_weights=False)
+    assert attended is not None  # self-attention, no mask, no weights: emulated
+    x = attended[0]
+    del attended  # the output alone: a post-norm layer frees it at the norm
     x.add_(src)
     if not norm_first:
         x = F.layer_norm(x, shape, norm_weight_1, norm_bias_1, eps)
@@ -371,10 +336,17 @@ def _lstm(*args: Any, **kwargs: Any) -> Any:
 
 
 def _on_meta(fast: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original``, but ``fast`` for tensors on meta, unless ``fast`` returns None (a call it
+    does not emulate)."""
+
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
-        return (fast if first.device.type == "meta" else original)(*args, **kwargs)
+        if first.device.type == "meta":
+            out = fast(*args, **kwargs)
+            if out is not None:
+                return out
+        return original(*args, **kwargs)
 
     return call
 
@@ -443,7 +415,7 @@ def cuda_functions() -> Iterator[None]:
         (
             torch,
             "_transformer_encoder_layer_fwd",
-            _on_meta(_encoder_layer_fast, _ENCODER_LAYER),
+            _on_meta(_encoder_layer_fast, torch._transformer_encoder_layer_fwd),
         ),
         (nn.MultiheadAttention, "forward", _fast_path_forward(nn.MultiheadAttention.forward)),
         (
