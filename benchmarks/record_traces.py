@@ -35,11 +35,12 @@ import torch
 from torch import nn
 
 import memlab  # noqa: F401
+from memlab.core import _torch
 from memlab.estimate import GPU
 from memlab.estimate.gpus import matching
 from memlab.estimate.trace import compact, recorded
 from memlab.examples import GPT
-from memlab.whatif import RunConfig, run
+from memlab.step import RunConfig, StepHooks, run
 
 MiB = 2**20
 FORMAT = "memlab-trace/1"
@@ -140,7 +141,7 @@ def rules(device: str = "cuda") -> None:
 def record(case: str) -> dict[str, Any]:
     """Run one case on the GPU with the allocator's history on; the trace and its figures."""
     torch.cuda.init()
-    torch.cuda.memory._record_memory_history(context=None, max_entries=1_000_000)
+    _torch.record_memory_history(max_entries=1_000_000)
     moments: dict[str, int] = {}
 
     def mark(moment: str) -> None:  # where the measured step starts and ends, in events
@@ -154,7 +155,11 @@ def record(case: str) -> dict[str, Any]:
     else:
         model_fn, input_fn, config = RUNS[case]
         result = run(
-            lambda: model_fn().cuda(), input_fn, None, config.with_(device="cuda"), on_measure=mark
+            lambda: model_fn().cuda(),
+            input_fn,
+            None,
+            config.with_(device="cuda"),
+            hooks=StepHooks(on_measure=mark),
         )
         if result.report is None:
             raise RuntimeError(f"{case}: {result.error}")
@@ -167,8 +172,8 @@ def record(case: str) -> dict[str, Any]:
             "measured_from": moments["start"],
             "measured_to": moments["end"],
         }
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot = _torch.memory_snapshot()
+    _torch.record_memory_history(False)
     counters = torch.cuda.memory_stats()
     stats.update(
         {k: counters[k] for k in ("num_alloc_retries", "num_ooms") if k in counters},

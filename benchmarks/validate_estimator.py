@@ -47,13 +47,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import emit, header
 
 import memlab  # noqa: F401  (the estimator's package)
+from memlab.core import _torch
 from memlab.estimate import GPU, estimate
 from memlab.estimate.gpus import matching
-from memlab.estimate.step import redirected
+from memlab.estimate.redirect import redirected
 from memlab.estimate.trace import compact, recorded
 from memlab.examples import GPT, resnet18
-from memlab.whatif import RunConfig, run
-from memlab.whatif.runner import AMP_DTYPES, _loss, _optimizer
+from memlab.step import RunConfig, StepHooks, run
+from memlab.step.model import optimizer as _optimizer
+from memlab.step.run import _loss
 
 MiB = 2**20
 
@@ -217,14 +219,14 @@ def measure(model: str, name: str, trace: Path | None = None) -> dict[str, Any]:
             moments[moment] = recorded()
 
     if trace is not None:
-        torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)
-    r = run(on_gpu, input_fn, None, case.with_(device="cuda"), on_measure=mark)
+        _torch.record_memory_history(max_entries=2_000_000)
+    r = run(on_gpu, input_fn, None, case.with_(device="cuda"), hooks=StepHooks(on_measure=mark))
     if r.report is None:
         return {"error": r.error}
     got = {"peak_allocated": r.report.peak_allocated, "peak_reserved": r.report.peak_reserved}
     if trace is not None:
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
+        snapshot = _torch.memory_snapshot()
+        _torch.record_memory_history(False)
         kept = {
             "model": model,
             "config": name,
@@ -278,7 +280,7 @@ def memtracker(model: str, name: str, device: str) -> int | None:
     if case.checkpoint != "off" or case.retention != "off":
         return None  # the runner's wrappers are not reproduced here
     model_fn, input_fn, batch, _ = MODELS[model]
-    amp = AMP_DTYPES.get(case.amp)
+    amp = case.amp.dtype
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), redirected(device):
             net = model_fn()

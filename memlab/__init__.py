@@ -43,7 +43,7 @@ class MemlabWarning(UserWarning):
 def __getattr__(name: str) -> Any:
     # The panel needs ipywidgets and matplotlib: imported when first asked for, not with memlab.
     if name == "Explorer":
-        from memlab.whatif.panel import Explorer
+        from memlab.panel import Explorer
 
         return Explorer
     raise AttributeError(f"module 'memlab' has no attribute {name!r}")

@@ -215,16 +215,17 @@ def test_a_recorded_trace_replays_exactly_through_the_allocator_model() -> None:
 
     code = """
 import torch
+from memlab.core import _torch
 from memlab.estimate.trace import compact, recorded, replay
 MiB = 2**20
 torch.cuda.init()
-torch.cuda.memory._record_memory_history(context=None)
+_torch.record_memory_history()
 start = recorded()
 keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 3 * MiB, 30 * MiB)]
 del keep[1]
 grew = recorded() > start
-snapshot = compact(torch.cuda.memory._snapshot())
-torch.cuda.memory._record_memory_history(enabled=None)
+snapshot = compact(_torch.memory_snapshot())
+_torch.record_memory_history(False)
 r = replay(snapshot, start)
 print(grew, r.first_divergence is None, r.real_peak_reserved == r.model_peak_reserved)
 print(r)

@@ -19,7 +19,7 @@ from memlab.estimate import GPUS, estimate
 from memlab.estimate.allocator import SMALL_BUFFER, round_size
 from memlab.estimate.gpus import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE, GiB
 from memlab.examples import GPT
-from memlab.whatif import RunConfig, WhatIfError, run
+from memlab.whatif import RunConfig, StepHooks, WhatIfError, run
 
 WIDTH = 64
 
@@ -55,7 +55,7 @@ def test_the_meta_run_counts_the_same_tensor_bytes_as_a_real_cpu_run(changes: di
     config = RunConfig(batch_size=8, **changes)
     # meta's own attention kernel is the CPU's: the comparison is exact
     predicted = estimate(gpt, tokens, None, config, gpu=None, workspace=0, cuda_kernels=False)
-    real = run(gpt, tokens, None, config.with_(device="cpu"), foreach=True).report
+    real = run(gpt, tokens, None, config.with_(device="cpu"), hooks=StepHooks(foreach=True)).report
     assert real is not None and real.breakdown is not None
     assert predicted.tensors.breakdown is not None
     assert predicted.tensors.peak_allocated == real.peak_allocated
@@ -70,8 +70,8 @@ def test_adam_runs_foreach_as_on_cuda_and_differs_from_the_cpu_only_by_step_coun
     # counters stay on the CPU, off the device.
     config = RunConfig(batch_size=8, optimizer="adam")
     predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors
-    real = run(mlp, rows, None, config.with_(device="cpu"), foreach=True).report
-    single = run(mlp, rows, None, config.with_(device="cpu"), foreach=False).report
+    real = run(mlp, rows, None, config.with_(device="cpu"), hooks=StepHooks(foreach=True)).report
+    single = run(mlp, rows, None, config.with_(device="cpu"), hooks=StepHooks(foreach=False)).report
     assert predicted.breakdown is not None and real is not None and real.breakdown is not None
     assert single is not None and single.breakdown is not None
     n_params = sum(p.numel() for p in mlp().parameters())
@@ -186,7 +186,9 @@ def test_amp_on_meta_saves_what_autocast_saves_on_a_real_cpu() -> None:
     for amp in ("bf16", "fp16"):
         config = RunConfig(batch_size=32, amp=amp, optimizer="sgd")
         predicted = estimate(mlp, rows, None, config, gpu=None, workspace=0).tensors
-        real = run(mlp, rows, None, config.with_(device="cpu"), foreach=True).report
+        real = run(
+            mlp, rows, None, config.with_(device="cpu"), hooks=StepHooks(foreach=True)
+        ).report
         assert real is not None and real.breakdown is not None
         assert predicted.breakdown is not None
         ours, truth = dict(predicted.breakdown.highest), dict(real.breakdown.highest)
@@ -212,7 +214,7 @@ def test_amp_with_checkpointing_recomputes_under_the_same_autocast() -> None:
 
     config = RunConfig(batch_size=32, amp="bf16", checkpoint="auto", optimizer="sgd")
     predicted = estimate(blocks, rows, None, config, gpu=None, workspace=0).tensors
-    real = run(blocks, rows, None, config.with_(device="cpu"), foreach=True).report
+    real = run(blocks, rows, None, config.with_(device="cpu"), hooks=StepHooks(foreach=True)).report
     assert real is not None and real.breakdown is not None and predicted.breakdown is not None
     assert predicted.breakdown.highest == real.breakdown.highest
     assert abs(predicted.peak_allocated - real.peak_allocated) <= 0.005 * real.peak_allocated
@@ -298,7 +300,7 @@ def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
 
     e = estimate(blocks, rows, None, RunConfig(batch_size=8, optimizer="adam"), gpu=None)
     layer = (WIDTH * WIDTH + WIDTH) * 4
-    assert e.units == (layer,) * 4  # each repeated block's parameters
+    assert e.fsdp_units == (layer,) * 4  # each repeated block's parameters
     assert e.tensors.breakdown is not None
     at_peak = e.tensors.breakdown.at_peak
     n = 4

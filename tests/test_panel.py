@@ -173,7 +173,7 @@ def test_predictions_are_compared_with_predictions_and_measurements_with_measure
 def test_simulate_a_custom_size_of_gpu() -> None:
     from memlab.estimate import estimate
     from memlab.estimate.gpus import HOPPER_WORKSPACE
-    from memlab.whatif.panel import CUSTOM
+    from memlab.panel.explorer import CUSTOM
 
     ex = explorer()
     ex.optimizer.value = "sgd"

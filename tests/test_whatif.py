@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from memlab import Category
+from memlab.step import blocks
 from memlab.whatif import RunConfig, RunResult, WhatIfError, run
-from memlab.whatif.runner import blocks
 
 WIDTH, BATCH, DEPTH = 256, 64, 8
 ONE = BATCH * WIDTH * 4  # one block's output, float32

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memlab.core import _torch
+from memlab.core._torch import TorchDispatchMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
@@ -165,11 +166,11 @@ class Accountant:
                 if st is not None:
                     self.ledger.produced(t, st, started)
             if self.breakdown and not self._sweep_queued:
-                node = torch._C._current_autograd_node()
+                node = _torch.current_autograd_node()
                 if node is not None:  # the first op of a backward pass
                     self._sweep_queued = True
                     self._remember_leaves_of(node)
-                    torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+                    _torch.queue_backward_callback(self._after_backward)
         except Exception as e:
             self._error(e)
 
@@ -178,7 +179,7 @@ class Accountant:
             self.errors.append(f"{type(e).__name__}: {e}")
 
     def phase(self) -> int:
-        if torch._C._current_autograd_node() is not None:
+        if _torch.current_autograd_node() is not None:
             return Phase.BACKWARD
         if self._optimizer_depth:
             return Phase.OPTIMIZER

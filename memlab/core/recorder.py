@@ -33,7 +33,7 @@ _BYTES, _SAVED, _UNSAVED = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class Replay:
+class Tally:
     """What a recorder's events add up to."""
 
     before: int
@@ -128,13 +128,13 @@ class Recorder:
             self._log(serial, 0, _SAVED if saved else _UNSAVED)
 
     # -- results ----------------------------------------------------------------------------
-    def replay(self, breakdown: bool, used: Collection[int] = ()) -> Replay:
+    def tally(self, breakdown: bool, used: Collection[int] = ()) -> Tally:
         """Totals, and (with events kept) categories at the peak and at the end, and the series.
         ``used``: serials of storages the region read (pre-existing ones among them are inputs).
         """
         after = self.ledger.total(self.device)
         if not self.keep_events:
-            return Replay(self.before, after, self.peak, None, None, None, None, None, None)
+            return Tally(self.before, after, self.peak, None, None, None, None, None, None)
         at_peak = at_end = highest = None
         if breakdown:
             at_peak, at_end, highest = self._categories(used)
@@ -148,9 +148,7 @@ class Recorder:
                 totals.append(running)
                 times.append(self._times[i])
                 phases.append(self._phases[i])
-        return Replay(
-            self.before, after, self.peak, at_peak, at_end, highest, times, totals, phases
-        )
+        return Tally(self.before, after, self.peak, at_peak, at_end, highest, times, totals, phases)
 
     def _categories(
         self, used: Collection[int]

@@ -2,6 +2,7 @@
 
 from memlab.estimate.distributed import RankMemory, compare, per_rank
 from memlab.estimate.gpus import GPU, GPUS
-from memlab.estimate.step import Estimate, estimate
+from memlab.estimate.predict import estimate
+from memlab.estimate.result import Estimate
 
 __all__ = ["GPU", "GPUS", "Estimate", "RankMemory", "compare", "estimate", "per_rank"]

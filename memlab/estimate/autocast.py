@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 import torch.utils.checkpoint
 
+from memlab.core import _torch
+
 LOWER_PRECISION = [
     "_convolution",
     "conv1d",
@@ -278,10 +280,6 @@ def _entry_points() -> list[tuple[Any, str, str]]:
     return found
 
 
-_lock = threading.Lock()
-_INHERITED = object()
-
-
 def _recomputed_in_region(checkpoint: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
     """``torch.utils.checkpoint.checkpoint`` whose recomputation, in backward, runs under the
     same emulated autocast as the forward did (real checkpointing does this for real autocast;
@@ -306,22 +304,15 @@ def emulated(dtype: torch.dtype) -> Iterator[None]:
     if _region() is not None:  # nested: the outer region's cache lives on, as in autocast
         yield
         return
-    with _lock:
-        patched = []
+    patches = [
+        (owner, name, _wrap(getattr(owner, name), policy))
+        for owner, name, policy in _entry_points()
+    ]
+    ck = torch.utils.checkpoint
+    patches.append((ck, "checkpoint", _recomputed_in_region(ck.checkpoint, dtype)))
+    with _torch.patched(patches):  # Tensor methods live on TensorBase: deleted again after
+        _state.region = _Region(dtype)
         try:
-            for owner, name, policy in _entry_points():
-                own = owner.__dict__.get(name, _INHERITED)  # Tensor methods live on TensorBase
-                setattr(owner, name, _wrap(getattr(owner, name), policy))
-                patched.append((owner, name, own))
-            ck = torch.utils.checkpoint
-            patched.append((ck, "checkpoint", ck.checkpoint))
-            ck.checkpoint = _recomputed_in_region(ck.checkpoint, dtype)
-            _state.region = _Region(dtype)
             yield
         finally:
             _state.region = None
-            for owner, name, own in reversed(patched):
-                if own is _INHERITED:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, own)

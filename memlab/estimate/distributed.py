@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memlab.core.categories import Category
-from memlab.estimate.step import Estimate
+from memlab.estimate.result import Estimate
 from memlab.reports.units import fmt_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -73,7 +73,7 @@ def per_rank(
         extra = breakdown.highest.get(Category.GRADIENT, 0)
         notes.append("DDP's gradient buckets: as large as the gradients")
     if strategy in ("zero3", "fsdp") and n > 1:
-        unit = max(estimate.units, default=breakdown.highest.get(Category.PARAMETER, 0))
+        unit = max(estimate.fsdp_units, default=breakdown.highest.get(Category.PARAMETER, 0))
         extra = 3 * unit  # the unit gathered, the next one prefetched, one unit's full gradients
         notes.append(f"gathered units: 3 × the largest unit's parameters ({fmt_bytes(unit)})")
     return RankMemory(strategy, n, by_category, extra, tuple(notes))

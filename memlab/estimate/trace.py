@@ -123,8 +123,10 @@ def recorded() -> int:
     e.g. one step of a longer run (`replay`'s ``start`` and ``end``)."""
     import torch
 
+    from memlab.core import _torch
+
     torch.cuda.synchronize()
-    return max((len(t) for t in torch.cuda.memory._snapshot()["device_traces"]), default=0)
+    return max((len(t) for t in _torch.memory_snapshot()["device_traces"]), default=0)
 
 
 def events_of(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:

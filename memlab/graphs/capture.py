@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from memlab.core import _torch
 from memlab.core.autograd import iter_nodes
 from memlab.graphs.model import Graph, Node, Saved
 from memlab.graphs.saved import saved_tensors
 
-_peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _LEAF_SEQ = 2**64 - 1  # AccumulateGrad nodes' sequence number
 
 
@@ -36,7 +36,11 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     fixed = _storages(model.parameters(), model.buffers())
     given = _storages(_tensors(inputs), _tensors(kwargs))
     params = {id(p): n for n, p in model.named_parameters()}
-    notes = () if _peek else ("this torch cannot tell which module made each node",)
+    notes = (
+        ()
+        if _torch.next_sequence_nr() is not None
+        else ("this torch cannot tell which module made each node",)
+    )
     return _build(_tensors(out), intervals, fixed, given, params, notes)
 
 
@@ -50,7 +54,7 @@ def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Gra
 
 @contextlib.contextmanager
 def _module_intervals(names: dict[int, str], out: list[tuple[int, int, str]]) -> Iterator[None]:
-    if _peek is None:
+    if _torch.next_sequence_nr() is None:
         yield
         return
     from torch.nn.modules import module as nn_module
@@ -58,11 +62,13 @@ def _module_intervals(names: dict[int, str], out: list[tuple[int, int, str]]) ->
     stack: list[int] = []
 
     def pre(module: torch.nn.Module, args: Any) -> None:
-        stack.append(_peek())
+        stack.append(_torch.next_sequence_nr() or 0)
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         start = stack.pop() if stack else 0
-        out.append((start, _peek(), names.get(id(module), type(module).__name__)))
+        out.append(
+            (start, _torch.next_sequence_nr() or 0, names.get(id(module), type(module).__name__))
+        )
 
     handles = (
         nn_module.register_module_forward_pre_hook(pre),
@@ -123,14 +129,14 @@ def _build(
         leaves = (getattr(n, "variable", None) for n in nodes)
         fixed = _storages([t for t in leaves if isinstance(t, torch.Tensor)])
     # Order by creation, so that a storage is charged to the earliest node that saved it.
-    order = sorted(range(len(nodes)), key=lambda i: nodes[i]._sequence_nr())
+    order = sorted(range(len(nodes)), key=lambda i: _torch.sequence_nr(nodes[i]))
     charged: set[int] = set()
     fixed_saved: dict[int, int] = {}
     keep: list[Any] = []
     built: dict[int, Node] = {}
     for i in order:
         n = nodes[i]
-        seq = n._sequence_nr()
+        seq = _torch.sequence_nr(n)
         leaf = getattr(n, "variable", None)
         leaf_name = None
         module = owner.get(seq, "")

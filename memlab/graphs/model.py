@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from memlab.core._torch import SAVED_PREFIX
 from memlab.reports.html import num_cell, table, text_cell
 from memlab.reports.units import fmt_bytes
 
@@ -26,7 +27,7 @@ class Saved:
 
     def describe(self) -> str:
         shape = "×".join(map(str, self.shape)) or "scalar"
-        name = self.attr.removeprefix("_saved_")
+        name = self.attr.removeprefix(SAVED_PREFIX)
         return f"{name}: {shape} {self.dtype}, {fmt_bytes(self.nbytes)} ({self.kind})"
 
 

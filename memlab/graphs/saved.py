@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from memlab.core import _torch
+
 _NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -19,7 +21,7 @@ def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     already released them (run the analysis before backward, or backward with retain_graph)."""
     names = _NAMES.get(type(node))
     if names is None:
-        names = _NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_saved_"))
+        names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
     for name in names:
         try:
             value = getattr(node, name)

@@ -1,6 +1,28 @@
-"""What-if runs: one training or inference step under a configuration, measured and compared."""
+"""What-if runs: the public name of `memlab.step` (one training or inference step under a
+configuration, measured and compared). ``memlab.whatif.run`` and ``RunConfig`` stay here."""
 
-from memlab.whatif.config import RunConfig, WhatIfError
-from memlab.whatif.runner import RunResult, run
+from memlab.step import (
+    Amp,
+    Mode,
+    Optimizer,
+    Retention,
+    RunConfig,
+    RunResult,
+    StepHooks,
+    WhatIfError,
+    blocks,
+    run,
+)
 
-__all__ = ["RunConfig", "RunResult", "WhatIfError", "run"]
+__all__ = [
+    "Amp",
+    "Mode",
+    "Optimizer",
+    "Retention",
+    "RunConfig",
+    "RunResult",
+    "StepHooks",
+    "WhatIfError",
+    "blocks",
+    "run",
+]

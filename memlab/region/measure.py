@@ -12,14 +12,12 @@ import torch
 
 from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
-from memlab.core.cuda import CudaRegion, driver_view
+from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.recorder import Phase, Recorder, Replay
-from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
-
-#: A timeline keeps at most about this many points (the extremes of each stretch survive).
-MAX_TIMELINE_POINTS = 4000
+from memlab.core.recorder import Recorder
+from memlab.region.assemble import assemble
+from memlab.reports.report import MemoryReport, Reports
 
 
 class track:  # noqa: N801  (used as a context manager, named like one)
@@ -121,7 +119,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 self._seconds = time.perf_counter() - self._t0
             finally:
                 self._teardown()
-            self._reports = Reports(tuple(self._build(t, et) for t in self.targets))
+            self._reports = Reports(tuple(self._assemble(t, et) for t in self.targets))
         except Exception as e:  # never mask the region's own exception with ours
             self._build_error = e
             if et is None:
@@ -167,56 +165,19 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         """The report of the first (usually the only) device."""
         return self.reports[0]
 
-    def _build(self, target: Target, raised: type[BaseException] | None) -> MemoryReport:
+    def _assemble(self, target: Target, raised: type[BaseException] | None) -> MemoryReport:
         rec = self._recorders.get(target.name)
-        replay = (
-            rec.replay(self.breakdown, self._accountant.used if self._accountant else ())
-            if rec is not None
-            else None
-        )
-        notes = list(self._accountant.errors) if self._accountant else []
-        common: dict[str, Any] = {
-            "device": target.name,
-            "source": target.source,
-            "seconds": self._seconds,
-            "label": self.label,
-            "raised": raised.__name__ if raised is not None else None,
-        }
-        cr = self._cuda.get(target.name)
-        if cr is None:
-            assert replay is not None
-            return MemoryReport(
-                allocated_before=replay.before,
-                allocated_after=replay.after,
-                peak_allocated=replay.peak,
-                breakdown=_breakdown(replay, None, None),
-                timeline=_timeline(replay, 0),
-                notes=tuple(notes),
-                **common,
-            )
-        s, e = cr.start, cr.end
-        if replay is not None and self.timeline:
-            notes.append(
-                "timeline: tensor bytes from accounting, offset to the allocator's figure at the "
-                "start (the allocator's block rounding and workspaces are not in it)"
-            )
-        return MemoryReport(
-            allocated_before=s.allocated,
-            allocated_after=e.allocated,
-            peak_allocated=cr.peak_allocated,
-            reserved_before=s.reserved,
-            reserved_after=e.reserved,
-            peak_reserved=cr.peak_reserved,
-            active_before=s.active,
-            active_after=e.active,
-            alloc_retries=e.alloc_retries - s.alloc_retries,
-            ooms=e.ooms - s.ooms,
-            peak_scope="region" if cr.peak_is_regional else "since-reset",
-            breakdown=_breakdown(replay, cr.peak_allocated, e.allocated) if replay else None,
-            timeline=_timeline(replay, s.allocated - replay.before) if replay else None,
-            driver=driver_view(cr.index) if self.driver and torch.cuda.is_initialized() else None,
-            notes=tuple(notes),
-            **common,
+        acc = self._accountant
+        return assemble(
+            target,
+            rec.tally(self.breakdown, acc.used if acc else ()) if rec is not None else None,
+            self._cuda.get(target.name),
+            seconds=self._seconds,
+            label=self.label,
+            raised=raised,
+            notes=list(acc.errors) if acc else [],
+            timeline=self.timeline,
+            driver=self.driver,
         )
 
 
@@ -234,40 +195,3 @@ def _weak_list(objects: Iterable[Any]) -> list[weakref.ref[Any]]:
 
 def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
     return [o for o in (r() for r in refs) if o is not None]
-
-
-def _breakdown(replay: Replay, peak: int | None, end: int | None) -> Breakdown | None:
-    """Categories from the replay; on CUDA, what the allocator holds beyond them is unattributed."""
-    if replay.at_peak is None or replay.at_end is None or replay.highest is None:
-        return None
-    at_peak, at_end = dict(replay.at_peak), dict(replay.at_end)
-    if peak is not None and end is not None:
-        at_peak[Category.UNATTRIBUTED] = peak - sum(at_peak.values())
-        at_end[Category.UNATTRIBUTED] = end - sum(at_end.values())
-    return Breakdown(at_peak, at_end, replay.highest)
-
-
-def _timeline(replay: Replay, offset: int) -> Timeline | None:
-    if replay.times is None or replay.totals is None or replay.phases is None:
-        return None
-    n = len(replay.times)
-    keep: list[int]
-    if n <= MAX_TIMELINE_POINTS:
-        keep = list(range(n))
-    else:  # keep the lowest and highest point of each stretch, in order
-        step = n / (MAX_TIMELINE_POINTS // 2)
-        keep = []
-        for b in range(MAX_TIMELINE_POINTS // 2):
-            lo, hi = int(b * step), min(n, int((b + 1) * step))
-            if lo >= hi:
-                continue
-            span = range(lo, hi)
-            i_min = min(span, key=replay.totals.__getitem__)
-            i_max = max(span, key=replay.totals.__getitem__)
-            keep.extend(sorted({i_min, i_max}))
-    return Timeline(
-        seconds=tuple(replay.times[i] for i in keep),
-        allocated=tuple(replay.totals[i] + offset for i in keep),
-        phases=tuple(Phase.NAMES[replay.phases[i]] for i in keep),
-        source="tensor accounting",
-    )

@@ -1,0 +1,32 @@
+"""String enums for every user-facing choice: compare equal to their strings, and parse them."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="Choice")
+
+
+class Choice(str, Enum):
+    """A string choice. ``Amp.FP16 == "fp16"``; ``str()`` and f-strings give the value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def parse(cls: type[C], name: str, value: Any, error: type[Exception] = ValueError) -> C:
+        """``value`` as a member (a member or its string); otherwise ``error`` naming the
+        argument ``name``, what it got and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in cls)
+            raise error(f"{name}={value!r} is not one of {allowed}.") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)

@@ -1,0 +1,96 @@
+"""Dispatch modes that give a meta run what a CUDA run allocates: the cuBLAS workspaces
+(`CublasHandles`), kernels that allocate more or in another order (`CudaAllocations`), and the
+attention kernels' random-number state on the host (`HostRandomState`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memlab.core import _torch
+from memlab.core._torch import TorchDispatchMode
+
+aten = torch.ops.aten
+#: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
+CUBLAS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, _torch.addmm_activation))
+#: Of those, the ones that go through cuBLASLt (a bias added in the product's epilogue).
+CUBLASLT = frozenset((aten.addmm, _torch.addmm_activation))
+
+
+class CublasHandles(TorchDispatchMode):
+    """Calls ``take(key)`` the first time the step needs each cuBLAS workspace: ``"forward"``
+    and ``"backward"`` (the thread's handle; recomputation of checkpointed regions runs in the
+    backward), and ``"forward lt"`` / ``"backward lt"`` for cuBLASLt. ``take`` runs after the
+    op, whose output a GPU also allocates before it asks for the workspace."""
+
+    def __init__(self, take: Any) -> None:
+        super().__init__()
+        self.take = take
+        self.taken: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in CUBLAS:
+            thread = "forward" if _torch.current_autograd_node() is None else "backward"
+            for key in (thread, f"{thread} lt") if packet in CUBLASLT else (thread,):
+                if key not in self.taken:
+                    self.taken.append(key)
+                    self.take(key)
+        return out
+
+
+class CudaAllocations(TorchDispatchMode):
+    """Kernels whose CUDA versions allocate more, or in another order, than their meta ones:
+
+    - CUDA's layer norm (``native_layer_norm``) works on a contiguous copy of a strided input (a
+      transposed view, or the sum of one), for the call's duration;
+    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output.
+
+    Enter it after the accounting's mode, so that the accounting sees what it allocates."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor) or first.device.type != "meta":
+            return func(*args, **(kwargs or {}))
+        if func is aten.native_layer_norm.default and not first.is_contiguous():
+            copy = torch.empty(first.shape, dtype=first.dtype, device=first.device)
+            out = func(*args, **(kwargs or {}))
+            del copy  # freed when the kernel returns, after its outputs exist
+            return out
+        if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
+            mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
+            return torch.empty_like(first), mask
+        return func(*args, **(kwargs or {}))
+
+
+#: Ops whose outputs at these positions are the generator's seed and offset, on the CPU on a GPU
+#: (FlashAttention keeps them on the GPU: two 8-byte tensors, as the traces show).
+_HOST_OUTPUTS = {
+    _torch.EFFICIENT_ATTENTION: (2, 3),
+    _torch.EFFICIENT_ATTENTION_FORWARD: (2, 3),
+}
+
+
+class HostRandomState(TorchDispatchMode):
+    """Moves the attention kernels' seed and offset outputs to the CPU, as a GPU returns them.
+    Enter it before the accounting's mode, so that the accounting sees them there."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        where = _HOST_OUTPUTS.get(func.overloadpacket.__name__)
+        if where is None or not isinstance(out, tuple):
+            return out
+        moved = list(out)
+        for i in where:
+            t = moved[i]
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                moved[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return tuple(moved)

@@ -1,0 +1,221 @@
+"""`estimate`: one step of a configuration, predicted for a GPU without one.
+
+The step (`memlab.step.run`) runs on ``meta`` through memlab's tensor accounting, with the
+kernels that allocate differently on CUDA emulated (`memlab.estimate.kernels`) and CUDA's
+autocast policy emulated (`memlab.estimate.autocast`); every allocation and free is replayed
+through the model of the caching allocator (`AllocatorListener`). The design and its known
+limitations: docs/estimator.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+from typing import Any
+
+from memlab.core.ledger import default_ledger
+from memlab.estimate.allocator import CachingAllocator
+from memlab.estimate.autocast import emulated
+from memlab.estimate.gpus import GPU
+from memlab.estimate.gpus import gpu as find_gpu
+from memlab.estimate.kernels import (
+    CublasHandles,
+    CudaAllocations,
+    HostRandomState,
+    cuda_functions,
+)
+from memlab.estimate.listener import AllocatorListener
+from memlab.estimate.redirect import META, build_on_meta, meta_device_module, redirected
+from memlab.estimate.result import Estimate
+from memlab.region import track
+from memlab.reports.report import MemoryReport, Timeline
+from memlab.reports.units import fmt_bytes
+from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
+from memlab.step.run import InputFn, LossFn, ModelFn
+
+#: What an estimate cannot see, said in every estimate's notes.
+NOT_MODELLED = (
+    "not modelled: cuDNN workspaces, reductions' staging buffers, other CUDA-only buffers"
+)
+
+
+def estimate(
+    model_fn: ModelFn,
+    input_fn: InputFn,
+    loss_fn: LossFn | None = None,
+    config: RunConfig | None = None,
+    *,
+    gpu: str | GPU | int | None = "H100 80GB",
+    workspace: int | None = None,
+    cuda_kernels: bool = True,
+    trace: bool = False,
+) -> Estimate:
+    """Predict one step of ``config`` on a GPU, without a GPU.
+
+    model_fn, input_fn, loss_fn: as for `memlab.whatif.run`; they run with ``meta`` as the default
+        device, and a device they name (``.to("cuda")``, ``device=...``) becomes ``meta`` too, so
+        code written for a GPU runs unchanged and allocates nothing.
+    config: the step (``config.device`` is ignored; ``config.budget`` too: see `Estimate.fits`).
+    gpu: a name from `memlab.estimate.GPUS` ("T4", "A100 80GB", "H100 80GB", ...), a size in
+        bytes, or None. It sets the memory the simulated allocator may reserve and the cuBLAS
+        workspace.
+    workspace: the cuBLAS workspace of each handle in bytes, overriding the GPU's default (0: no
+        cuBLAS or cuBLASLt workspace).
+    cuda_kernels: run attention, dropout and the transformer layers' fast paths as CUDA does
+        (`memlab.estimate.kernels`); False: as meta's own kernels, which are the CPU's (useful to
+        compare an estimate with a CPU run).
+    trace: keep the predicted allocation stream (`Estimate.trace`).
+
+    >>> e = estimate(lambda: GPT(), lambda b: torch.randint(0, 50257, (b, 512)), gpu="T4")
+    >>> e.fits(), e.peak_allocated, e.peak_reserved
+    """
+    config = (config or RunConfig()).with_(device="meta", budget=None)
+    card = find_gpu(gpu)
+    if workspace is None:
+        workspace = 0 if card is None else card.workspace
+    listener = AllocatorListener(
+        str(META), CachingAllocator(None if card is None else card.usable), keep_events=trace
+    )
+    lt = 0 if card is None or not workspace else card.lt_workspace
+    workspaces = _Workspaces(listener, workspace, lt)
+    units: list[int] = []
+
+    def model_on_meta() -> Any:
+        model = build_on_meta(model_fn)
+        if not units and hasattr(model, "named_modules"):
+            named = dict(model.named_modules())
+            units.extend(_parameter_bytes(named[path]) for path in blocks(model))
+        return model
+
+    def input_on_meta(batch: int) -> Any:
+        with redirected():
+            return input_fn(batch)
+
+    hooks = StepHooks(
+        autocast=emulated, foreach=True, grad_scaler=False, on_measure=listener.measuring
+    )
+    ledger = default_ledger()
+    ledger.attach(listener)
+    try:
+        with _cuda_like(cuda_kernels, workspaces.take):
+            result = run(model_on_meta, input_on_meta, loss_fn, config, hooks=hooks)
+    finally:
+        ledger.detach(listener)
+    if result.report is None or listener.measured_from is None:
+        raise WhatIfError(f"the step did not run: {result.error}")
+    e = _prediction(config, card, result.report, listener, tuple(workspaces.taken), tuple(units))
+    if trace:
+        stream = {
+            "device_traces": [listener.events],
+            "measured": [listener.events_from, listener.events_to],
+        }
+        e = dataclasses.replace(e, trace=stream)
+    return e
+
+
+@contextlib.contextmanager
+def _cuda_like(cuda_kernels: bool, take_workspace: Any) -> Any:
+    """Accounting for the whole run, warm-up included, on meta; with ``cuda_kernels``,
+    attention, dropout, the transformer layers' fast paths and the LSTM as CUDA runs them (the
+    attention kernels' seed and offset on the CPU: the accounting's mode, entered after, sees
+    them there), and the cuBLAS workspaces where a GPU takes them."""
+    null = contextlib.nullcontext
+    kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
+    copies = CudaAllocations() if cuda_kernels else null()
+    handles = CublasHandles(take_workspace)
+    with host, track(META), kernels, copies, handles, meta_device_module():
+        yield
+
+
+class _Workspaces:
+    """The cuBLAS workspaces a step takes, each once, kept for the process's life."""
+
+    def __init__(self, listener: AllocatorListener, size: int, lt_size: int) -> None:
+        self.listener, self.size, self.lt_size = listener, size, lt_size
+        self.taken: list[tuple[str, int]] = []
+
+    def take(self, key: str) -> None:
+        size = self.lt_size if key.endswith(" lt") else self.size
+        if size:
+            self.listener.malloc(-1 - len(self.taken), size)
+            self.taken.append((key, size))
+
+
+def _parameter_bytes(module: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _prediction(
+    config: RunConfig,
+    card: GPU | None,
+    tensors: MemoryReport,
+    replay: AllocatorListener,
+    workspaces: tuple[tuple[str, int], ...],
+    fsdp_units: tuple[int, ...],
+) -> Estimate:
+    assert replay.measured_from is not None
+    start, end = replay.measured_from, replay.measured_to
+    trace = replay.trace
+    before = trace[start - 1] if start > 0 else (0, 0)
+    during = trace[start:end] or [before]
+    after = during[-1]
+    notes = [
+        _workspace_note(workspaces),
+        NOT_MODELLED,
+        "autocast emulated with CUDA's policy" if config.amp != "off" else "",
+    ]
+    if replay.failed is not None:
+        notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
+    timeline = tensors.timeline
+    if timeline is not None and len(timeline):
+        # the allocator model's allocated bytes at each point of the accounting's timeline
+        origin = replay.ended - tensors.seconds  # when the measured region started
+        stamps = replay.stamps[start:end]
+        values = [a for a, _ in trace[start:end]]
+
+        def at(seconds: float) -> int:
+            i = bisect.bisect_right(stamps, origin + seconds) - 1
+            return values[i] if i >= 0 else before[0]
+
+        timeline = Timeline(
+            seconds=timeline.seconds,
+            allocated=tuple(at(x) for x in timeline.seconds),
+            phases=timeline.phases,
+            source="allocator model",
+        )
+    report = MemoryReport(
+        device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
+        source="estimate",
+        allocated_before=before[0],
+        allocated_after=after[0],
+        peak_allocated=max(a for a, _ in [before, *during]),
+        seconds=tensors.seconds,
+        label=config.describe(),
+        reserved_before=before[1],
+        reserved_after=after[1],
+        peak_reserved=max(r for _, r in [before, *during]),
+        breakdown=tensors.breakdown,
+        timeline=timeline,
+        notes=tuple(n for n in notes if n),
+    )
+    return Estimate(
+        config,
+        card,
+        tensors,
+        report,
+        oom=replay.failed is not None,
+        fsdp_units=fsdp_units,
+        workspaces=workspaces,
+    )
+
+
+def _workspace_note(workspaces: tuple[tuple[str, int], ...]) -> str:
+    """ "includes cuBLAS workspaces: 32 MiB (forward), 1 MiB (cuBLASLt), 32 MiB (backward)"."""
+    if not workspaces:
+        return ""
+    parts = [
+        f"{fmt_bytes(size)} ({'cuBLASLt' if key.endswith(' lt') else key})"
+        for key, size in workspaces
+    ]
+    return f"includes cuBLAS workspaces: {', '.join(parts)}"

@@ -1,0 +1,102 @@
+"""Running code written for a GPU on the ``meta`` device: tensors it puts anywhere go to
+``meta`` instead, and the model is built there as ``.to("cuda")`` would move it."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from memlab.core import _torch
+from memlab.step import WhatIfError
+
+META = torch.device("meta")
+
+
+class Redirect(TorchFunctionMode):
+    """Sends tensors the user's code puts on a GPU (or the CPU) to ``target`` instead, so code
+    written for CUDA runs unchanged on a machine without one."""
+
+    def __init__(self, target: torch.device) -> None:
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = self.target
+        if func in (torch.Tensor.cuda, torch.Tensor.cpu):
+            return args[0].to(self.target)
+        if func is torch.Tensor.to:
+            args = tuple(self.target if _is_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _is_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except RuntimeError:
+            return False
+        return True
+    return isinstance(value, int) and not isinstance(value, bool)  # .to(0): GPU 0
+
+
+@contextlib.contextmanager
+def meta_device_module() -> Iterator[None]:
+    """``torch.utils.checkpoint`` looks up a device module by the tensors' device type
+    (``torch.cuda`` for CUDA). PyTorch before 2.5 has no ``torch.meta``: give it an empty one
+    for the block, so checkpointing runs on meta (with no device random state to save)."""
+    if hasattr(torch, "meta"):
+        yield
+        return
+    torch.meta = types.ModuleType("torch.meta")  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del torch.meta  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def redirected(device: str | torch.device = META) -> Iterator[None]:
+    """Within the block, tensors are created on ``device`` (default ``meta``), also where the
+    code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"``."""
+    target = torch.device(device)
+    with torch.device(target), Redirect(target):
+        yield
+
+
+def build_on_meta(model_fn: Callable[[], Any]) -> Any:
+    """``model_fn()`` built on ``meta`` outside the accounting, then given fresh storage within
+    it, as ``.to("cuda")`` moves a model built on the CPU: one allocation per parameter and
+    buffer, in module order (a tied weight once), and none of what the construction allocated
+    and freed on the way. What is not a Module is returned as it is (the step says what is
+    wrong with it)."""
+    with _torch.disable_current_modes(), redirected():
+        model = model_fn()
+    if not isinstance(model, torch.nn.Module):
+        return model
+    real = {str(p.device) for p in model.parameters() if p.device != META}
+    if real:
+        raise WhatIfError(
+            f"model_fn returned a model that already exists (on {', '.join(sorted(real))}):"
+            " for an estimate, model_fn must build the model, so that it can be built on "
+            "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
+        )
+    fresh: dict[int, torch.Tensor] = {}
+
+    def materialize(t: torch.Tensor) -> torch.Tensor:  # a tied weight moves once
+        if id(t) not in fresh:
+            fresh[id(t)] = torch.empty_like(t)
+        return fresh[id(t)]
+
+    _torch.apply_to_tensors(model, materialize)
+    return model

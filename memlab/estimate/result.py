@@ -1,0 +1,101 @@
+"""`Estimate`: a predicted step on a GPU, and how it renders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from memlab.estimate.gpus import GPU
+from memlab.reports.report import MemoryReport
+from memlab.step.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted step on a GPU. Byte figures are what ``torch.cuda`` would report."""
+
+    config: RunConfig
+    gpu: GPU | None
+    #: The measured step's tensor accounting on ``meta``: breakdown, timeline, tensor bytes.
+    tensors: MemoryReport
+    #: The prediction, as a report: allocated (blocks) and reserved (segments), before, after
+    #: and at the peak of the measured step, with the breakdown and timeline of ``tensors``.
+    report: MemoryReport
+    #: The simulated allocator ran out of the GPU's usable memory (``gpu.usable``).
+    oom: bool = False
+    #: Parameter bytes of each repeated block of the model: the units sharded data parallelism
+    #: (FSDP) would gather one at a time (see `memlab.estimate.distributed`).
+    fsdp_units: tuple[int, ...] = ()
+    #: Each workspace the step took, in order: ("forward", bytes), ("forward lt", bytes), ...
+    workspaces: tuple[tuple[str, int], ...] = ()
+    #: With ``estimate(..., trace=True)``: the predicted allocation stream of the whole run
+    #: (warm-up step included), as a snapshot: ``{"device_traces": [events], "measured":
+    #: [first, end]}``, the measured step's events being ``events[first:end]``. Compare it with a
+    #: real one with `memlab.estimate.trace.compare`.
+    trace: dict[str, Any] | None = None
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """Kept for one release: renamed `fsdp_units`."""
+        return self.fsdp_units
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the prediction includes and leaves out (the report's notes)."""
+        return self.report.notes
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.report.peak_allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        assert self.report.peak_reserved is not None
+        return self.report.peak_reserved
+
+    @property
+    def workspace(self) -> int:
+        """Bytes of cuBLAS and cuBLASLt workspace the step took (see `workspaces`)."""
+        return sum(size for _, size in self.workspaces)
+
+    def fits(self, budget: int | None = None) -> bool:
+        """Whether the step's peak *reserved* memory fits in ``budget`` bytes (default: the GPU's
+        memory less the CUDA context allowance). Reserved, not allocated: the cache and
+        fragmentation are memory the process holds too."""
+        if budget is None:
+            if self.gpu is None:
+                raise ValueError("no GPU was given to estimate(): pass a budget in bytes.")
+            budget = self.gpu.usable
+        return not self.oom and self.peak_reserved <= budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.describe(),
+            "gpu": None if self.gpu is None else self.gpu.name,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "workspace": self.workspace,
+            "oom": self.oom,
+            "fits": None if self.gpu is None else self.fits(),
+            "report": self.report.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def headline(self) -> str:
+        """ "predicted for <GPU> · fits" (or "· does NOT fit"), as text and HTML show it."""
+        where = "no particular GPU" if self.gpu is None else self.gpu.describe()
+        verdict = ""
+        if self.gpu is not None:
+            verdict = " · fits" if self.fits() else " · does NOT fit"
+        return f"predicted for {where}{verdict}"
+
+    def __str__(self) -> str:
+        return f"{self.headline()}\n{self.report}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        # the verdict first: the report itself has no room for it
+        head = f'<div style="font-weight:bold;margin-bottom:4px">{escape(self.headline())}</div>'
+        return head + self.report._repr_html_()

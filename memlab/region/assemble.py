@@ -1,0 +1,112 @@
+"""Assembling a region's report from what was measured: the allocator's counters and the
+tensor accounting's tally (categories, timeline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memlab.core.categories import Category
+from memlab.core.cuda import CudaRegion, driver_view
+from memlab.core.devices import Target
+from memlab.core.recorder import Phase, Tally
+from memlab.reports.report import Breakdown, MemoryReport, Timeline
+
+#: A timeline keeps at most about this many points (the extremes of each stretch survive).
+MAX_TIMELINE_POINTS = 4000
+
+
+def assemble(
+    target: Target,
+    tally: Tally | None,
+    cr: CudaRegion | None,
+    *,
+    seconds: float,
+    label: str | None,
+    raised: type[BaseException] | None,
+    notes: list[str],
+    timeline: bool,
+    driver: bool,
+) -> MemoryReport:
+    """One device's report: the allocator's counters on CUDA (``cr``), tensor accounting
+    (``tally``) elsewhere and for the breakdown and timeline."""
+    common: dict[str, Any] = {
+        "device": target.name,
+        "source": target.source,
+        "seconds": seconds,
+        "label": label,
+        "raised": raised.__name__ if raised is not None else None,
+    }
+    if cr is None:
+        assert tally is not None
+        return MemoryReport(
+            allocated_before=tally.before,
+            allocated_after=tally.after,
+            peak_allocated=tally.peak,
+            breakdown=_breakdown(tally, None, None),
+            timeline=_timeline(tally, 0),
+            notes=tuple(notes),
+            **common,
+        )
+    s, e = cr.start, cr.end
+    if tally is not None and timeline:
+        notes.append(
+            "timeline: tensor bytes from accounting, offset to the allocator's figure at the "
+            "start (the allocator's block rounding and workspaces are not in it)"
+        )
+    return MemoryReport(
+        allocated_before=s.allocated,
+        allocated_after=e.allocated,
+        peak_allocated=cr.peak_allocated,
+        reserved_before=s.reserved,
+        reserved_after=e.reserved,
+        peak_reserved=cr.peak_reserved,
+        active_before=s.active,
+        active_after=e.active,
+        alloc_retries=e.alloc_retries - s.alloc_retries,
+        ooms=e.ooms - s.ooms,
+        peak_scope="region" if cr.peak_is_regional else "since-reset",
+        breakdown=_breakdown(tally, cr.peak_allocated, e.allocated) if tally else None,
+        timeline=_timeline(tally, s.allocated - tally.before) if tally else None,
+        driver=driver_view(cr.index) if driver and torch.cuda.is_initialized() else None,
+        notes=tuple(notes),
+        **common,
+    )
+
+
+def _breakdown(tally: Tally, peak: int | None, end: int | None) -> Breakdown | None:
+    """Categories from the tally; on CUDA, what the allocator holds beyond them is unattributed."""
+    if tally.at_peak is None or tally.at_end is None or tally.highest is None:
+        return None
+    at_peak, at_end = dict(tally.at_peak), dict(tally.at_end)
+    if peak is not None and end is not None:
+        at_peak[Category.UNATTRIBUTED] = peak - sum(at_peak.values())
+        at_end[Category.UNATTRIBUTED] = end - sum(at_end.values())
+    return Breakdown(at_peak, at_end, tally.highest)
+
+
+def _timeline(tally: Tally, offset: int) -> Timeline | None:
+    if tally.times is None or tally.totals is None or tally.phases is None:
+        return None
+    n = len(tally.times)
+    keep: list[int]
+    if n <= MAX_TIMELINE_POINTS:
+        keep = list(range(n))
+    else:  # keep the lowest and highest point of each stretch, in order
+        step = n / (MAX_TIMELINE_POINTS // 2)
+        keep = []
+        for b in range(MAX_TIMELINE_POINTS // 2):
+            lo, hi = int(b * step), min(n, int((b + 1) * step))
+            if lo >= hi:
+                continue
+            span = range(lo, hi)
+            i_min = min(span, key=tally.totals.__getitem__)
+            i_max = max(span, key=tally.totals.__getitem__)
+            keep.extend(sorted({i_min, i_max}))
+    return Timeline(
+        seconds=tuple(tally.times[i] for i in keep),
+        allocated=tuple(tally.totals[i] + offset for i in keep),
+        phases=tuple(Phase.NAMES[tally.phases[i]] for i in keep),
+        source="tensor accounting",
+    )

@@ -1,0 +1,23 @@
+"""One training or inference step under a configuration, measured: the what-if runs.
+
+`run` is what the panel's Run button, the estimator and programs call; `RunConfig` describes the
+step (AMP, checkpointing, no_grad, batch, accumulation, optimizer).
+"""
+
+from memlab.step.config import Amp, Mode, Optimizer, Retention, RunConfig, WhatIfError
+from memlab.step.model import blocks
+from memlab.step.result import RunResult
+from memlab.step.run import StepHooks, run
+
+__all__ = [
+    "Amp",
+    "Mode",
+    "Optimizer",
+    "Retention",
+    "RunConfig",
+    "RunResult",
+    "StepHooks",
+    "WhatIfError",
+    "blocks",
+    "run",
+]

@@ -1,0 +1,162 @@
+"""The configuration of a step, validated once, with errors that say what to do.
+
+Every choice is a string enum (`Amp`, `Mode`, `Retention`, `Optimizer`) that also accepts its
+string: ``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from memlab.core.choices import Choice
+
+
+class WhatIfError(ValueError):
+    """A run could not be set up or failed because of its inputs; the message says what to do."""
+
+
+class Amp(Choice):
+    """Automatic mixed precision: off, or autocast to a 16-bit type."""
+
+    OFF = "off"
+    FP16 = "fp16"  # with a gradient scaler
+    BF16 = "bf16"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The 16-bit type autocast computes in (None for "off"): the one AMP table."""
+        return {Amp.FP16: torch.float16, Amp.BF16: torch.bfloat16}.get(self)
+
+
+class Mode(Choice):
+    TRAIN = "train"  # forward, backward, optimizer step
+    NO_GRAD = "no_grad"  # a forward under torch.no_grad()
+    INFERENCE_MODE = "inference_mode"  # a forward under torch.inference_mode()
+
+
+class Retention(Choice):
+    """The graph-retention experiment: evaluation forwards with grad on, outputs kept."""
+
+    OFF = "off"
+    ATTACHED = "attached"  # kept with their graphs: memory grows
+    DETACHED = "detached"  # kept detached: flat
+
+
+class Optimizer(Choice):
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+
+#: Kept for one release: the choices as tuples of strings.
+AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
+#: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
+AMP_DTYPES = {a.value: a.dtype for a in Amp if a.dtype is not None}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One step's configuration.
+
+    amp: "off", "fp16" (autocast with a gradient scaler) or "bf16" (`Amp`).
+    checkpoint: "off", "auto" (each block of a ModuleList or Sequential of identical layers), or
+        a tuple of module paths to checkpoint.
+    mode: "train" (forward, backward, optimizer step), "no_grad" or "inference_mode" (a forward).
+    retention: "off", or the graph-retention experiment: ``iterations`` evaluation forwards with
+        grad enabled whose outputs are kept "attached" (memory grows) or "detached" (flat).
+    batch_size: the effective batch; with ``accumulation`` k, k micro-batches of batch_size / k.
+    optimizer: "sgd", "sgd_momentum", "adam" or "adamw".
+    device: where the model and inputs are expected (None: CUDA if available, else the CPU).
+    budget: bytes; a run whose peak exceeds it is reported as out of memory.
+    """
+
+    amp: Amp = Amp.OFF
+    checkpoint: str | tuple[str, ...] = "off"
+    mode: Mode = Mode.TRAIN
+    retention: Retention = Retention.OFF
+    iterations: int = 4
+    batch_size: int = 8
+    accumulation: int = 1
+    optimizer: Optimizer = Optimizer.ADAM
+    lr: float = 1e-3
+    device: str | None = None
+    budget: int | None = None
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("amp", Amp),
+            ("mode", Mode),
+            ("retention", Retention),
+            ("optimizer", Optimizer),
+        ):
+            object.__setattr__(self, name, kind.parse(name, getattr(self, name), WhatIfError))
+        if isinstance(self.checkpoint, str):
+            if self.checkpoint not in ("off", "auto"):
+                raise WhatIfError(
+                    f"checkpoint={self.checkpoint!r} is not one of 'off', 'auto': pass one of "
+                    "those, or a tuple of module paths."
+                )
+        elif not isinstance(self.checkpoint, tuple) or not all(
+            isinstance(p, str) for p in self.checkpoint
+        ):
+            raise WhatIfError(
+                f"checkpoint={self.checkpoint!r}: pass 'off', 'auto' or a tuple of module paths."
+            )
+        for name in ("batch_size", "accumulation", "iterations"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise WhatIfError(f"{name} must be a whole number ≥ 1, not {value!r}.")
+        if self.batch_size % self.accumulation:
+            raise WhatIfError(
+                f"batch_size {self.batch_size} does not split into {self.accumulation} equal "
+                "micro-batches: choose a batch size divisible by the accumulation steps."
+            )
+        if self.budget is not None and self.budget <= 0:
+            raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
+        if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
+            raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
+
+    @property
+    def training(self) -> bool:
+        """Whether the step trains: forward, backward and an optimizer step."""
+        return self.mode == Mode.TRAIN and self.retention == Retention.OFF
+
+    def with_(self, **changes: Any) -> RunConfig:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [str(self.mode) if self.retention == Retention.OFF else f"{self.retention} outputs"]
+        if self.amp != Amp.OFF:
+            parts.append(f"amp {self.amp}")
+        if self.checkpoint != "off":
+            ck = self.checkpoint
+            parts.append(f"checkpoint {ck if isinstance(ck, str) else ','.join(ck)}")
+        parts.append(f"batch {self.batch_size}")
+        if self.accumulation > 1:
+            parts.append(f"accumulate {self.accumulation}")
+        if self.training:
+            parts.append(str(self.optimizer))
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe): every field, choices as their strings."""
+        ck = self.checkpoint
+        return {
+            "amp": str(self.amp),
+            "checkpoint": ck if isinstance(ck, str) else list(ck),
+            "mode": str(self.mode),
+            "retention": str(self.retention),
+            "iterations": self.iterations,
+            "batch_size": self.batch_size,
+            "accumulation": self.accumulation,
+            "optimizer": str(self.optimizer),
+            "lr": self.lr,
+            "device": self.device,
+            "budget": self.budget,
+            "warmup": self.warmup,
+        }

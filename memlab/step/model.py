@@ -1,0 +1,139 @@
+"""Model housekeeping around a step: the device, the user's functions, the optimizer, the
+checkpointed blocks, and leaving the user's model as it was."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from memlab.core.devices import DeviceError, resolve
+from memlab.core.ledger import device_key
+from memlab.step.config import Optimizer, RunConfig, WhatIfError
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    """One device, resolved and checked by the core (``None``: the current GPU, else the CPU)."""
+    try:
+        targets = resolve(spec)
+    except DeviceError as e:
+        raise WhatIfError(str(e)) from e
+    if len(targets) != 1:
+        raise WhatIfError(f"a run uses one device, not {spec!r}: name one, e.g. 'cuda:0'.")
+    return torch.device(targets[0].name)
+
+
+def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; what it raises becomes a WhatIfError naming ``name`` (OOM passes)."""
+    if not callable(fn):
+        raise WhatIfError(f"{name} must be a function, not {type(fn).__name__}.")
+    try:
+        return fn(*args)
+    except (WhatIfError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        raise WhatIfError(f"{name} raised {type(e).__name__}: {e}") from e
+
+
+def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:
+    """A WhatIfError naming ``what`` if a tensor is not on ``device``."""
+    for t in tensors:
+        if device_key(t.device) != device_key(device):
+            raise WhatIfError(
+                f"{what} is on {device_key(t.device)}, but the run is on {device}: create it on "
+                f"{device}, or choose that device for the run."
+            )
+
+
+def optimizer(
+    model: nn.Module, config: RunConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config`` names, over the model's trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == Optimizer.SGD:
+        return torch.optim.SGD(params, lr=config.lr, foreach=foreach)
+    if config.optimizer == Optimizer.SGD_MOMENTUM:
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, foreach=foreach)
+    if config.optimizer == Optimizer.ADAM:
+        return torch.optim.Adam(params, lr=config.lr, foreach=foreach)
+    return torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
+    children (two or more) are all of one type. Nested repeats inside a block are left alone."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(f + ".") for f in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+                found += [f"{path}.{n}" if path else n for n, _ in children]
+    return found
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[None]:
+    """Within the block, the modules ``spec`` names (or "auto": `blocks`) run checkpointed."""
+    if spec == "off":
+        yield
+        return
+    named = dict(model.named_modules())
+    paths = blocks(model) if spec == "auto" else list(spec)
+    missing = [p for p in paths if p not in named]
+    if missing:
+        top = ", ".join(list(named)[1:8])
+        raise WhatIfError(f"No module {missing[0]!r} in the model (its modules: {top}, ...).")
+    if not paths:
+        raise WhatIfError(
+            "checkpoint='auto' found no repeated blocks (a ModuleList or Sequential of identical "
+            "layers): name the modules to checkpoint instead."
+        )
+    wrapped: list[nn.Module] = []
+    try:
+        for p in paths:
+            module = named[p]
+            original = module.forward
+
+            def forward(*args: Any, _f: Callable[..., Any] = original, **kw: Any) -> Any:
+                # looked up at each call: the estimator's autocast emulation wraps it
+                return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, **kw)
+
+            module.forward = forward
+            wrapped.append(module)
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward  # the class's forward shows through again
+
+
+@contextlib.contextmanager
+def restored(model: nn.Module, weights: bool) -> Iterator[None]:
+    """Leave ``model`` as it was: modes, gradients and (after a training step) its values."""
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    values = {}
+    if weights:  # copies on the CPU: a copy on the GPU would double what the run measures
+        with torch.no_grad():
+            values = {
+                k: v.detach().to("cpu", copy=True)
+                for k, v in model.state_dict(keep_vars=True).items()
+                if v.device.type != "meta"  # meta tensors hold no values
+            }
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, g in grads:
+            p.grad = g
+        if values:
+            with torch.no_grad():
+                for k, v in model.state_dict(keep_vars=True).items():
+                    if k in values:
+                        v.copy_(values[k])

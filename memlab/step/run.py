@@ -1,0 +1,264 @@
+"""Run one step under a configuration, measured, and leave the user's model as it was.
+
+What differs when the estimator runs the step on ``meta`` (its autocast emulation, the
+optimizer's ``foreach``, no gradient scaler, a callback around the measured step) is passed in
+as `StepHooks`: this module never imports the estimator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlab.core.accounting import warm_up
+from memlab.core.categories import Category
+from memlab.core.ledger import default_ledger
+from memlab.region import track
+from memlab.reports.report import MemoryReport
+from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
+from memlab.step.model import (
+    call,
+    check_device,
+    checkpointed,
+    optimizer,
+    resolve_device,
+    restored,
+)
+from memlab.step.result import RunResult
+
+ModelFn = Callable[[], nn.Module]
+InputFn = Callable[[int], Any]
+LossFn = Callable[[Any], torch.Tensor]
+Autocast = Callable[[torch.dtype], contextlib.AbstractContextManager[Any]]
+
+#: Warm-up steps tried again at most, while an fp16 scaler skips the optimizer's step.
+SCALER_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """How a step runs where it is not measured but predicted (the estimator sets these).
+
+    autocast: makes the AMP context for a dtype (None: ``torch.autocast`` on the run's device).
+    foreach: the optimizer's ``foreach`` option (None: PyTorch's default for the device).
+    grad_scaler: whether fp16 training uses a gradient scaler.
+    on_measure: called with "start" just before the measured step and "end" just after.
+    """
+
+    autocast: Autocast | None = None
+    foreach: bool | None = None
+    grad_scaler: bool = True
+    on_measure: Callable[[str], None] | None = None
+
+
+def run(
+    model_fn: ModelFn,
+    input_fn: InputFn,
+    loss_fn: LossFn | None = None,
+    config: RunConfig | None = None,
+    *,
+    hooks: StepHooks | None = None,
+) -> RunResult:
+    """A warm-up step, then one measured step under ``config``.
+
+    model_fn(): the model, on the run's device. A new one each call keeps runs isolated; if it
+        returns your existing model, memlab restores its weights, buffers, gradients, train/eval
+        modes and forwards afterwards, also when the run fails.
+    input_fn(batch_size): the model's input: a tensor, a tuple (the arguments) or a mapping (the
+        keyword arguments, e.g. ``input_ids`` and ``labels`` for a Hugging Face model).
+    loss_fn(output): a scalar loss (default: the model's own ``loss`` where the output is a
+        mapping that has one, as a Hugging Face model given labels returns; otherwise the mean
+        square of the output's first tensor).
+    hooks: how the step runs for a prediction (`StepHooks`; the estimator passes them).
+    Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
+    """
+    config = config or RunConfig()
+    hooks = hooks or StepHooks()
+    device = resolve_device(config.device)
+    # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and the import keeps
+    # the frames on its stack in a reference cycle: warm_up() does it on a thread of its own, and
+    # must come before this run builds its optimizer, which would do it here otherwise.
+    warm_up()
+    model = call("model_fn", model_fn)
+    if not isinstance(model, nn.Module):
+        raise WhatIfError(f"model_fn must return a torch.nn.Module, not {type(model).__name__}.")
+    check_device("the model", [*model.parameters(), *model.buffers()], device)
+    training = config.training
+    if training and not any(p.requires_grad for p in model.parameters()):
+        raise WhatIfError(
+            "The model has no trainable parameters, so a training step has nothing to do: use "
+            "mode='no_grad', or unfreeze some parameters."
+        )
+    with restored(model, weights=training), checkpointed(model, config.checkpoint):
+        opt = optimizer(model, config, hooks.foreach) if training else None
+        fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
+        scaler = torch.amp.GradScaler(device.type) if fp16 else None
+        amp = _autocast(config.amp, device, hooks.autocast)
+        step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler, amp)
+        region = track(device, breakdown=True, timeline=True, watch=[model])
+        try:
+            if config.warmup:
+                step(lambda t: None)
+                # with fp16, the scaler skips the optimizer's step while the scaled gradients
+                # overflow (often the first steps, at its initial scale): warm up again until
+                # one is taken, so the measured step finds the optimizer's state in place
+                for _ in range(SCALER_RETRIES if scaler is not None else 0):
+                    if not _skipped(opt):
+                        break
+                    step(lambda t: None)
+            if hooks.on_measure is not None:
+                hooks.on_measure("start")
+            with region:
+                kept, series = step(lambda t: region.mark(t, Category.INPUT))
+            del kept
+            if hooks.on_measure is not None:
+                hooks.on_measure("end")
+        except torch.cuda.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)  # the frames hold the step's tensors
+            message = str(e).splitlines()[0]
+            del e
+            try:  # an OOM in the measured step still has its report; one in the warm-up has none
+                report: MemoryReport | None = region.report
+            except RuntimeError:
+                report = None
+            return RunResult(config, report, oom=True, error=f"CUDA out of memory: {message}")
+    report = region.report
+    over = config.budget is not None and report.peak_allocated > config.budget
+    error = (
+        f"the peak ({report.peak_allocated:,} B) exceeds the budget ({config.budget:,} B)"
+        if over
+        else None
+    )
+    return RunResult(config, report, oom=over, error=error, series=tuple(series))
+
+
+def _autocast(
+    amp: Amp, device: torch.device, make: Autocast | None
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The AMP context of the step (a null context with AMP off: a disabled ``torch.autocast``
+    still asks for the device's autocast type, which ``meta`` lacks)."""
+    dtype = amp.dtype
+    if dtype is None:
+        return contextlib.nullcontext
+    if make is not None:
+        return functools.partial(make, dtype)
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def _skipped(opt: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer has not stepped yet: no state (the stateless SGD without momentum
+    counts as stepped)."""
+    if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
+        return False
+    return not any(opt.state.values())
+
+
+def _step(
+    model: nn.Module,
+    input_fn: InputFn,
+    loss_fn: LossFn | None,
+    config: RunConfig,
+    device: torch.device,
+    opt: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler | None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    mark: Callable[[torch.Tensor], None],
+) -> tuple[list[Any], list[int]]:
+    if config.retention != Retention.OFF:  # evaluation with grad enabled, outputs kept
+        model.eval()
+        kept, series = [], []
+        for _ in range(config.iterations):
+            with autocast():
+                out = _forward(model, input_fn, config.batch_size, device, mark)
+            kept.append(out if config.retention == Retention.ATTACHED else _detach(out))
+            series.append(_allocated(device))
+        return kept, series
+    if config.mode != Mode.TRAIN:
+        model.eval()
+        grad = torch.no_grad() if config.mode == Mode.NO_GRAD else torch.inference_mode()
+        with grad, autocast():
+            out = _forward(model, input_fn, config.batch_size, device, mark)
+        return [out], []
+    assert opt is not None
+    model.train()
+    micro = config.batch_size // config.accumulation
+    for _ in range(config.accumulation):
+        with autocast():
+            out = _forward(model, input_fn, micro, device, mark)
+            loss = _loss(loss_fn, out) / config.accumulation
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del out, loss
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [], []
+
+
+def _forward(
+    model: nn.Module,
+    input_fn: InputFn,
+    batch: int,
+    device: torch.device,
+    mark: Callable[[torch.Tensor], None],
+) -> Any:
+    """The model on input_fn(batch): a tuple is its arguments, a mapping its keyword arguments
+    (``{"input_ids": ..., "labels": ...}`` for a Hugging Face model), anything else the one
+    argument."""
+    value = call("input_fn", input_fn, batch)
+    args: tuple[Any, ...] = value if isinstance(value, tuple) else (value,)
+    kwargs: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        args, kwargs = (), dict(value)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    check_device("input_fn's result", tensors, device)
+    for t in tensors:
+        mark(t)
+    return model(*args, **kwargs)
+
+
+def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
+    if loss_fn is None:
+        if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
+            own = out.get("loss")
+            if isinstance(own, torch.Tensor) and own.numel() == 1:
+                return own  # the model computed its loss (it was given labels)
+            out = list(out.values())
+        first = (
+            out
+            if isinstance(out, torch.Tensor)
+            else next((t for t in out if isinstance(t, torch.Tensor)), None)
+        )
+        if first is None:
+            raise WhatIfError("The model's output holds no tensor: give a loss_fn.")
+        return first.float().pow(2).mean()
+    loss = call("loss_fn", loss_fn, out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise WhatIfError(
+            f"loss_fn must return a scalar tensor (e.g. end it with .mean()), not {shape}."
+        )
+    return loss
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, Mapping):
+        return {k: _detach(v) for k, v in out.items()}
+    return type(out)(_detach(o) for o in out) if isinstance(out, (list, tuple)) else out
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return default_ledger().total(str(device))
