@@ -54,8 +54,8 @@ from memlab.estimate.redirect import redirected
 from memlab.estimate.trace import compact, recorded
 from memlab.examples import GPT, resnet18
 from memlab.step import RunConfig, StepHooks, run
-from memlab.step.model import optimizer as _optimizer
-from memlab.step.run import _loss
+from memlab.step.model import optimizer
+from memlab.step.run import loss_of
 
 MiB = 2**20
 
@@ -285,7 +285,7 @@ def memtracker(model: str, name: str, device: str) -> int | None:
         with FakeTensorMode(allow_non_fake_inputs=True), redirected(device):
             net = model_fn()
             train = case.mode == "train"
-            opt = _optimizer(net, case, foreach=True) if train else None  # the runner's
+            opt = optimizer(net, case, foreach=True) if train else None  # the runner's
             tracker = MemTracker()
             tracker.track_external(net, *([opt] if opt else []))
             with tracker:
@@ -294,7 +294,7 @@ def memtracker(model: str, name: str, device: str) -> int | None:
                         tracker.reset_mod_stats()
                     with torch.autocast(device, dtype=amp, enabled=amp is not None):
                         if train:
-                            loss = _loss(None, net(input_fn(batch)))  # the runner's default
+                            loss = loss_of(None, net(input_fn(batch)))  # the runner's default
                         else:
                             with torch.no_grad():
                                 net(input_fn(batch))

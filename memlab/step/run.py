@@ -192,7 +192,7 @@ def _step(
     for _ in range(config.accumulation):
         with autocast():
             out = _forward(model, input_fn, micro, device, mark)
-            loss = _loss(loss_fn, out) / config.accumulation
+            loss = loss_of(loss_fn, out) / config.accumulation
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del out, loss
     if scaler is not None:
@@ -226,7 +226,9 @@ def _forward(
     return model(*args, **kwargs)
 
 
-def _loss(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
+def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
+    """The step's loss: ``loss_fn(out)``, or the default (the model's own loss, else the mean
+    square of the output's first tensor)."""
     if loss_fn is None:
         if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
             own = out.get("loss")
