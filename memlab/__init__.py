@@ -10,6 +10,7 @@ from typing import Any
 
 from memlab.core.categories import Category
 from memlab.core.devices import DeviceError
+from memlab.core.warn import MemlabDeprecationWarning, MemlabWarning
 from memlab.graphs.capture import NoGraphError, graph, graph_of
 from memlab.graphs.model import Graph
 from memlab.region import track
@@ -23,6 +24,7 @@ __all__ = [
     "DeviceError",
     "Explorer",
     "Graph",
+    "MemlabDeprecationWarning",
     "MemlabWarning",
     "MemoryReport",
     "NoGraphError",
@@ -34,10 +36,6 @@ __all__ = [
     "track",
     "unload_ipython_extension",
 ]
-
-
-class MemlabWarning(UserWarning):
-    """Warnings memlab itself raises."""
 
 
 def __getattr__(name: str) -> Any:

@@ -55,6 +55,17 @@ def read_counters(index: int) -> Counters:
     )
 
 
+def allocated(device: torch.device | int) -> int:
+    """``memory_allocated``: bytes in the blocks the allocator has handed out now."""
+    return int(torch.cuda.memory_allocated(device))
+
+
+def headroom(device: torch.device | int) -> int:
+    """What a step on the device could use at most: allocated now plus the driver's free."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + allocated(device)
+
+
 def driver_view(index: int) -> DriverView:
     """``mem_get_info`` and, when nvidia-ml-py is installed, NVML's figure for this process."""
     free, total = torch.cuda.mem_get_info(index)

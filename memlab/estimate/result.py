@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from memlab.core.warn import moved
 from memlab.estimate.gpus import GPU
 from memlab.reports.report import MemoryReport
 from memlab.step.config import RunConfig
@@ -38,6 +39,7 @@ class Estimate:
     @property
     def units(self) -> tuple[int, ...]:
         """Kept for one release: renamed `fsdp_units`."""
+        moved("Estimate.units", "Estimate.fsdp_units")
         return self.fsdp_units
 
     @property

@@ -14,8 +14,8 @@ from IPython.display import Image, display
 
 from memlab.core.devices import DeviceError
 from memlab.core.ledger import default_ledger
-from memlab.magic import runner
 from memlab.magic.args import HELP, Options, parse_cell_line, parse_statement_line
+from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
 from memlab.region import track
 from memlab.reports.report import MemoryReport, Reports
@@ -82,21 +82,21 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
-        body, expr, quiet = runner.compile_cell(self.sh, source, header)
+        body, expr, quiet = compile_cell(self.sh, source, header)
         try:
             with region:
-                value = runner.execute(self.sh, body, expr)
+                value = execute(self.sh, body, expr)
                 if cell is not None and quiet:
                     # a hidden value is dropped in the cell, as IPython drops it: it must not
                     # count as still allocated at the cell's end
-                    value = runner.NO_VALUE
+                    value = NO_VALUE
         except BaseException:
             self._publish(region, opts)
             raise
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
-            return value if runner.has_value(value) else None
-        if runner.has_value(value) and not quiet:
+            return value if has_value(value) else None
+        if has_value(value) and not quiet:
             self.sh.displayhook(value)  # Out[n] first, then the report under it
         self._publish(region, opts)
         return None

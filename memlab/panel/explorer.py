@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import ipywidgets as w
 
+from memlab.core import cuda
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
@@ -251,10 +252,7 @@ class Explorer:
 
 def _device_limit(config: RunConfig) -> int | None:
     """On a GPU without a budget: what is allocated now plus what the driver has free."""
-    import torch
-
     device = resolve_device(config.device)  # a WhatIfError for a bad device, shown in the panel
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_allocated(device))
+    return cuda.headroom(device)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlab.core import cuda
 from memlab.core.accounting import warm_up
 from memlab.core.categories import Category
 from memlab.core.ledger import default_ledger
@@ -262,5 +263,5 @@ def _detach(out: Any) -> Any:
 
 def _allocated(device: torch.device) -> int:
     if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
+        return cuda.allocated(device)
     return default_ledger().total(str(device))

@@ -1,5 +1,6 @@
 """Kept for one release: moved to `memlab.step.config`."""
 
+from memlab.core.warn import moved
 from memlab.step.config import (
     AMP,
     MODES,
@@ -12,6 +13,8 @@ from memlab.step.config import (
     RunConfig,
     WhatIfError,
 )
+
+moved("memlab.whatif.config", "memlab.step.config (or memlab.whatif)")
 
 __all__ = [
     "AMP",
