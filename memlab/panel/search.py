@@ -12,14 +12,14 @@ def largest_batch(fits: Callable[[int], bool], step: int = 1, limit: int = MAX_B
     """The largest multiple of ``step`` up to ``limit`` for which ``fits`` is true, assuming
     that what fits at one batch fits at every smaller one: doubling from ``step`` until a batch
     does not fit, then halving the interval. 0 when not even ``step`` fits; ``fits`` is called
-    about 2 log2(answer / step) times."""
+    about 2 log2(answer / step) times, never twice for one batch."""
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be a whole number ≥ 1, not {step!r}.")
     lo, hi = 0, step
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > limit:  # everything up to the search's limit fits
-        return lo
+    if hi > limit:  # past the limit counts as not fitting: search up to the limit itself
+        hi = limit // step * step + step
     while hi - lo > step:  # lo fits (or is 0), hi does not
         mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
