@@ -1,32 +1,9 @@
-"""CUDA's autocast, emulated in Python for tensors on the ``meta`` device.
+"""CUDA's autocast policy, emulated in Python for tensors on the ``meta`` device (`emulated`).
 
-``torch.autocast("cuda")`` works only where CUDA does, and it casts only CUDA tensors. To predict
-an AMP step without a GPU, `emulated(dtype)` applies the same casting policy at the Python entry
-points of the operations on autocast's lists, while the estimator's step runs on ``meta``:
-
-- **lower precision** (matrix products, convolutions, ``linear``, attention): floating-point
-  inputs are cast to ``dtype``; a weight (a leaf tensor that requires grad) is cast once per
-  autocast region and the copy is cached until the region ends, as autocast's weight-cast cache
-  does;
-- **float32** (norms, losses, ``exp``, ``log``, ...): 16-bit inputs are cast up to float32;
-- **float32 output** (``softmax``, ``log_softmax``, ``sum``, ``cumsum``, ``prod``, norms): run with
-  ``dtype=torch.float32`` when the input is 16-bit;
-- **promote** (``addcmul``, ``atan2``, ``dot``, ...): inputs are cast to the widest type among them.
-
-The op lists are CUDA's (PyTorch's ``AT_FORALL_LOWER_PRECISION_FP``, ``AT_FORALL_FP32``,
-``AT_FORALL_FP32_SET_OPT_DTYPE`` and ``AT_FORALL_PROMOTE``; a test checks them against the
-installed PyTorch's header; the lists of 2.4 to 2.13 differ only in ``rms_norm``, which 2.12
-added: see `SINCE`); names without a Python entry point are listed for completeness.
-
-Casting happens where Python code calls these operations (``torch.nn.functional``, ``torch`` and
-``Tensor`` methods); inside one of them nothing is cast again, as inside an autocast kernel.
-Operations only C++ code reaches, inside another operation's implementation, are not cast: the
-same as real autocast for composite operations on the lists, but not for the few composites off
-the lists that call listed ones in C++ (``cross_entropy`` and ``interpolate`` are handled).
-
-``torch.utils.checkpoint.checkpoint`` (and ``checkpoint_sequential``, which calls it) is wrapped
-too, so that a checkpointed region's recomputation in backward runs under the same emulated
-autocast as its forward, as real checkpointing does for real autocast.
+The op tables are PyTorch's own (``ATen/autocast_mode.h``; a test checks them against the
+installed release; `SINCE` says when an op joined, and names without a Python entry point are
+listed for completeness). Why, how it casts, and where it differs from real autocast:
+docs/estimator.md.
 """
 
 from __future__ import annotations
