@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch as _pd
 
 # The dispatch-level hook that sees every op's outputs (tensor accounting, the estimator's
 # kernel emulations). Public in use and in PyTorch's own tools, private in its module path.
@@ -166,3 +167,121 @@ def fused_op_patches(mha: Any, encoder_layer: Any, lstm: Any) -> list[tuple[Any,
         (torch, "_transformer_encoder_layer_fwd", encoder_layer),
         (VF, "lstm", lstm),
     ]
+
+
+# -- the dispatch-mode stack ------------------------------------------------------------------
+# A mode's ``__exit__`` pops whatever mode is on top of the stack, not itself. memlab's modes
+# (`OwnedMode`) go in beneath the modes a program already has on (so that the program's
+# ``__exit__`` of its own mode, even in a later cell, pops its own) and leave by removing
+# exactly themselves. Uses the stack's private push, pop and listing, and the module's "in a
+# mode" flags. Checked 2.4.1, 2.11, 2.13.
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The dispatch modes on now, innermost (processed last) first."""
+    return list(_pd._get_current_dispatch_mode_stack())
+
+
+def _infra(mode: Any) -> bool:
+    is_infra = getattr(mode, "is_infra_mode", None)
+    return bool(is_infra()) if callable(is_infra) else "_mode_key" in vars(mode)
+
+
+def _sync_mode_flags() -> None:
+    """The module's "in a mode" flags, from the stack as it is (after memlab moved modes)."""
+    stack = dispatch_mode_stack()
+    _pd._is_in_torch_dispatch_mode = bool(stack)
+    if hasattr(_pd, "_is_in_non_infra_torch_dispatch_mode"):
+        _pd._is_in_non_infra_torch_dispatch_mode = any(not _infra(m) for m in stack)
+    if hasattr(_pd, "set_is_in_mode_without_ignore_compile_internals"):
+        flag = any(not getattr(m, "ignore_compile_internals", lambda: False)() for m in stack)
+        _pd._is_in_any_mode_without_ignore_compile_internals = flag
+        _pd.set_is_in_mode_without_ignore_compile_internals(flag)
+
+
+class OwnedMode(TorchDispatchMode):
+    """A dispatch mode of memlab's. Enters beneath the program's modes that sit above memlab's
+    own (or all of them), and exits by removing itself wherever it is. ``misplaced`` then says
+    what it found, when it was not on top."""
+
+    misplaced: str | None = None
+    _beneath: list[Any] = []  # noqa: RUF012  (set per instance on entering)
+
+    def __enter__(self) -> OwnedMode:
+        stack = dispatch_mode_stack()
+        k = len(stack)
+        while k and not isinstance(stack[k - 1], OwnedMode) and not _infra(stack[k - 1]):
+            k -= 1
+        above = stack[k:]
+        self._beneath = above  # the program's modes memlab went in under
+        for _ in above:
+            _pd._pop_mode()
+        try:
+            super().__enter__()
+        finally:
+            for mode in above:
+                _pd._push_mode(mode)
+        if above:
+            _sync_mode_flags()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack = dispatch_mode_stack()
+        if stack and stack[-1] is self:
+            super().__exit__(*exc)
+            return
+        if not any(m is self for m in stack):
+            self.misplaced = (
+                "memlab's dispatch mode was removed by other code (a mode's __exit__ removes "
+                "the mode on top, whichever it is)"
+            )
+            return
+        above = []
+        while dispatch_mode_stack()[-1] is not self:
+            above.append(_pd._pop_mode())
+        super().__exit__(*exc)
+        for mode in reversed(above):
+            _pd._push_mode(mode)
+        _sync_mode_flags()
+        new = [m for m in reversed(above) if not any(m is b for b in self._beneath)]
+        if new:
+            names = ", ".join(type(m).__name__ for m in new)
+            self.misplaced = (
+                f"dispatch mode(s) the code entered and left on: {names}; memlab removed only "
+                "its own and left them on"
+            )
+
+
+# -- saved-tensor hooks -----------------------------------------------------------------------
+# Only the top (pack, unpack) pair applies. Reading the top pair is private (it was added
+# after 2.4: where it is missing, memlab cannot see the program's hooks). Checked 2.11, 2.13.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensors_hooks_on() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair in force now, or None (none, or this torch cannot tell)."""
+    return None if _top_hooks is None else _top_hooks(True)
+
+
+def push_saved_tensors_hooks(pack: Any, unpack: Any) -> None:
+    """Puts (pack, unpack) in force, as ``saved_tensors_hooks.__enter__`` does."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def remove_saved_tensors_hooks(pack: Any) -> bool:
+    """Removes the pair whose pack hook is ``pack``, wherever it is, and puts back the pairs
+    pushed after it, in order. False (and nothing changed) where it is not found."""
+    if _top_hooks is None:  # cannot look: assume it is on top, as a context manager would
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        return True
+    above = []
+    found = False
+    while (top := _top_hooks(True)) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if top[0] == pack:
+            found = True
+            break
+        above.append(top)
+    for pair in reversed(above):
+        push_saved_tensors_hooks(*pair)
+    return found

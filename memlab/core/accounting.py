@@ -16,18 +16,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import _torch
-from memlab.core._torch import TorchDispatchMode
+from memlab.core._torch import OwnedMode, TorchDispatchMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(OwnedMode):
     def __init__(self, accountant: Accountant) -> None:
         super().__init__()
         self.accountant = accountant
@@ -104,6 +103,7 @@ class Accountant:
         self._module_depth = 0
         self._optimizer_depth = 0
         self._sweep_queued = False
+        self._mode: _Mode | None = None
         #: Serials of the storages the region's ops read.
         self.used: set[int] = set()
 
@@ -114,13 +114,17 @@ class Accountant:
         try:
             if self.breakdown:
                 self._install_role_hooks()
-            self._stack.enter_context(_Mode(self))
+            mode = _Mode(self)
+            self._stack.enter_context(mode)
+            self._mode = mode
         except BaseException:
             self._stack.close()
             raise
 
     def uninstall(self) -> None:
         self._stack.close()
+        if self._mode is not None and self._mode.misplaced:
+            self.errors.append(self._mode.misplaced)
 
     def _install_role_hooks(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -134,10 +138,24 @@ class Accountant:
         )
         for handle in hooks:
             self._stack.callback(handle.remove)
+        on = _torch.saved_tensors_hooks_on()
+        if on is not None and not isinstance(getattr(on[0], "__self__", None), Accountant):
+            # only the top pair applies: memlab's would replace the program's (say, offloading
+            # activations with save_on_cpu), so the program's stay in force
+            self.errors.append(
+                "activations not tagged: the program's own saved_tensors_hooks are in force"
+            )
+            return
         try:
-            self._stack.enter_context(saved_tensors_hooks(self._pack, _unpack))
+            _torch.push_saved_tensors_hooks(self._pack, _unpack)
         except RuntimeError as e:  # saved-tensor hooks disabled by the program (e.g. FSDP)
             self.errors.append(f"activations not tagged: {e}")
+            return
+        self._stack.callback(self._remove_saved_tensors_hooks)
+
+    def _remove_saved_tensors_hooks(self) -> None:
+        if not _torch.remove_saved_tensors_hooks(self._pack):
+            self.errors.append("memlab's saved_tensors_hooks were removed by other code")
 
     # -- the dispatch path --------------------------------------------------------------------
     def see_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:

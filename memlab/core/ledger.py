@@ -3,13 +3,20 @@
 A storage is identified by its Python object, which PyTorch keeps alive exactly as long as the
 storage itself (views share it), so a weak reference's callback fires when the memory is freed.
 Entries hold weak references only: the ledger never keeps a tensor alive.
+
+The callbacks only queue the dead reference (``deque.append``, which runs no Python code, so a
+Ctrl-C cannot land in it and be lost); the ledger settles the queue, in order, before it answers
+any question or registers any storage. Settling is safe to interrupt: it finishes the queue and
+then raises the interrupt in the code that was running.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -21,14 +28,16 @@ class _Listener(Protocol):
     device: str
 
     def on_alloc(self, serial: int, delta: int, when: float) -> None: ...
-    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None: ...
+    def on_free(
+        self, serial: int, nbytes: int, category: Category | None, when: float
+    ) -> None: ...
     def on_discovered(self, serial: int, nbytes: int) -> None: ...
     def on_mark(self, serial: int, category: Category) -> None: ...
     def on_saved(self, serial: int, saved: bool) -> None: ...
 
 
 class Entry:
-    __slots__ = ("alive", "category", "device", "nbytes", "ref", "saved", "serial")
+    __slots__ = ("alive", "category", "device", "nbytes", "notified", "ref", "saved", "serial")
 
     def __init__(self, serial: int, ref: _StorageRef, nbytes: int, device: str) -> None:
         self.serial = serial
@@ -39,6 +48,8 @@ class Entry:
         #: How many autograd nodes hold this storage saved for backward right now.
         self.saved = 0
         self.alive = True
+        #: Listeners told of the free so far (settling resumes there after an interrupt).
+        self.notified = 0
 
 
 _DEVICE_KEYS: dict[torch.device, str] = {}
@@ -77,33 +88,61 @@ class Ledger:
         self._listeners: list[_Listener] = []
         self._serials = itertools.count()
         self._lock = threading.RLock()
-        self._self_ref = weakref.ref(self)
         self._packs: dict[int, _PackRef] = {}
+        #: Dead references, in the order their storages (or saved aliases) died.
+        self._dead: deque[weakref.ref[object]] = deque()
+        self._when = 0.0
 
     # -- queries ----------------------------------------------------------------------------
     def total(self, device: str) -> int:
+        if self._dead:
+            self.settle()
         return self._totals.get(device, 0)
 
     def next_serial(self) -> int:
         """Serials below this value belong to storages the ledger already knows."""
         with self._lock:
+            self.settle()
             serial = next(self._serials)
             return serial
 
     def entries(self, device: str) -> list[Entry]:
         with self._lock:
+            self.settle()
             return [e for e in self._entries.values() if e.device == device]
 
     def __len__(self) -> int:
+        self.settle()
         return len(self._entries)
+
+    def settle(self) -> None:
+        """Take the frees (and ends of saving) that happened since the last call, in order. A
+        KeyboardInterrupt while settling is raised once the queue is done."""
+        interrupted: BaseException | None = None
+        with self._lock:
+            dead = self._dead
+            while dead:
+                try:
+                    ref = dead[0]
+                    if type(ref) is _StorageRef:
+                        self._freed(ref)
+                    elif type(ref) is _PackRef:
+                        self._unsaved(ref)
+                    dead.popleft()
+                except KeyboardInterrupt as e:  # settle all first: the figures stay right
+                    interrupted = e
+        if interrupted is not None:
+            raise interrupted
 
     # -- listeners --------------------------------------------------------------------------
     def attach(self, listener: _Listener) -> None:
         with self._lock:
+            self.settle()
             self._listeners.append(listener)
 
     def detach(self, listener: _Listener) -> None:
         with self._lock:
+            self.settle()
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
@@ -112,9 +151,8 @@ class Ledger:
         # The tensor's device, not the storage's: a fake CPU tensor's storage lives on "meta".
         device = device_key(t.device)
         key = id(storage)
-        ref = _StorageRef(storage, _on_free)
+        ref = _StorageRef(storage, self._dead.append)
         ref.key = key
-        ref.ledger = self._self_ref
         entry = Entry(next(self._serials), ref, nbytes, device)
         self._entries[key] = entry
         self._totals[device] = self._totals.get(device, 0) + nbytes
@@ -122,6 +160,8 @@ class Ledger:
 
     def existing(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
         """``t``'s storage, alive before now; registered as pre-existing if new to us."""
+        if self._dead:  # first: a dead storage's id may be the new one's
+            self.settle()
         key = id(storage)
         entry = self._entries.get(key)  # the common case, without the lock (atomic under the GIL)
         if entry is not None:
@@ -138,6 +178,8 @@ class Ledger:
     def produced(self, t: torch.Tensor, storage: torch.UntypedStorage, when: float) -> Entry:
         """``t``'s storage, returned by an op that started at ``when`` (perf_counter): new
         memory, or a known one that may have grown."""
+        if self._dead:  # first: a dead storage's id may be the new one's
+            self.settle()
         key = id(storage)
         nbytes = storage.nbytes()
         entry = self._entries.get(key)
@@ -178,9 +220,9 @@ class Ledger:
         if storage is None:
             return
         entry = self.existing(t, storage)
-        ref = _PackRef(packed, _on_unpacked)
+        ref = _PackRef(packed, self._dead.append)
         ref.entry = entry
-        ref.ledger = self._self_ref
+        ref.step = 0
         with self._lock:
             self._packs[id(ref)] = ref
             entry.saved += 1
@@ -188,58 +230,54 @@ class Ledger:
                 self._notify_saved(entry, True)
 
     def _unsaved(self, ref: _PackRef) -> None:
-        with self._lock:
-            if self._packs.pop(id(ref), None) is None:
-                return
-            entry = ref.entry
+        """Autograd let a saved alias go. Safe to run again after an interrupt."""
+        entry = ref.entry
+        if ref.step == 0:  # (no call between these lines: an interrupt cannot split them)
+            ref.step = 1
             entry.saved -= 1
+        if ref.step == 1:
+            ref.step = 2
             if entry.saved == 0 and entry.alive:
                 self._notify_saved(entry, False)
+        self._packs.pop(id(ref), None)
 
     def _notify_saved(self, entry: Entry, saved: bool) -> None:
         for listener in self._listeners:
             if listener.device == entry.device:
                 listener.on_saved(entry.serial, saved)
 
-    def _freed(self, key: int, ref: _StorageRef) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.ref is not ref:
-                return
-            del self._entries[key]
+    def _freed(self, ref: _StorageRef) -> None:
+        """One storage's free. Safe to run again after an interrupt: each step happens once."""
+        entry = self._entries.get(ref.key)
+        if entry is None or entry.ref is not ref:
+            return
+        if entry.alive:  # (no call between these lines: an interrupt cannot split them)
             entry.alive = False
             self._totals[entry.device] -= entry.nbytes
-            for listener in self._listeners:
-                if listener.device == entry.device:
-                    listener.on_free(entry.serial, entry.nbytes, entry.category)
+            self._when = time.perf_counter()  # one time for every listener
+        listeners = self._listeners
+        while entry.notified < len(listeners):
+            listener = listeners[entry.notified]
+            if listener.device == entry.device:  # told again if interrupted on its way in
+                listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
+            entry.notified += 1
+        del self._entries[ref.key]
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a storage that knows its ledger key (and the ledger, weakly)."""
+    """A weak reference to a storage that knows its ledger key."""
 
-    __slots__ = ("key", "ledger")
+    __slots__ = ("key",)
     key: int
-    ledger: weakref.ref[Ledger]
 
 
 class _PackRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to the alias autograd holds for a saved tensor."""
 
-    __slots__ = ("entry", "ledger")
+    __slots__ = ("entry", "step")
     entry: Entry
-    ledger: weakref.ref[Ledger]
-
-
-def _on_unpacked(ref: _PackRef) -> None:
-    ledger = ref.ledger()
-    if ledger is not None:
-        ledger._unsaved(ref)
-
-
-def _on_free(ref: _StorageRef) -> None:
-    ledger = ref.ledger()
-    if ledger is not None:
-        ledger._freed(ref.key, ref)
+    #: 0: saved; 1: counted down; 2: listeners told.
+    step: int
 
 
 _DEFAULT: Ledger | None = None

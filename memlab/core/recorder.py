@@ -107,10 +107,10 @@ class Recorder:
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
         self._log(serial, delta, _BYTES, when)
 
-    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
+    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
         if self.keep_events:
             self._freed_role[serial] = category
-        self._log(serial, -nbytes, _BYTES)
+        self._log(serial, -nbytes, _BYTES, when)
 
     def on_discovered(self, serial: int, nbytes: int) -> None:
         # It existed all along: it raises every point of the region, the start included.

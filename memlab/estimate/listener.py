@@ -85,9 +85,10 @@ class AllocatorListener:
             self.malloc(serial, delta)
         self._when = None
 
-    def on_free(self, serial: int, nbytes: int, category: Category | None) -> None:
+    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
         handle = self.handles.pop(serial, None)
         if handle is not None:
+            self._when = when
             self.allocator.free(handle)
             self._freed(serial)
             self._note()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
-from memlab.core._torch import TorchDispatchMode
+from memlab.core._torch import OwnedMode
 
 aten = torch.ops.aten
 #: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
@@ -18,7 +18,7 @@ CUBLAS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, _torch.addmm_ac
 CUBLASLT = frozenset((aten.addmm, _torch.addmm_activation))
 
 
-class CublasHandles(TorchDispatchMode):
+class CublasHandles(OwnedMode):
     """Calls ``take(key)`` the first time the step needs each cuBLAS workspace: ``"forward"``
     and ``"backward"`` (the thread's handle; recomputation of checkpointed regions runs in the
     backward), and ``"forward lt"`` / ``"backward lt"`` for cuBLASLt. ``take`` runs after the
@@ -43,7 +43,7 @@ class CublasHandles(TorchDispatchMode):
         return out
 
 
-class CudaAllocations(TorchDispatchMode):
+class CudaAllocations(OwnedMode):
     """Kernels whose CUDA versions allocate more, or in another order, than their meta ones:
 
     - CUDA's layer norm (``native_layer_norm``) works on a contiguous copy of a strided input (a
@@ -77,7 +77,7 @@ _HOST_OUTPUTS = {
 }
 
 
-class HostRandomState(TorchDispatchMode):
+class HostRandomState(OwnedMode):
     """Moves the attention kernels' seed and offset outputs to the CPU, as a GPU returns them.
     Enter it before the accounting's mode, so that the accounting sees them there."""
 
