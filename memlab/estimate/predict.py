@@ -26,12 +26,19 @@ from memlab.estimate.kernels import (
     cuda_functions,
 )
 from memlab.estimate.listener import AllocatorListener
-from memlab.estimate.redirect import META, build_on_meta, meta_device_module, redirected
+from memlab.estimate.redirect import (
+    META,
+    build_on_meta,
+    data_dependent,
+    meta_device_module,
+    redirected,
+)
 from memlab.estimate.result import Estimate
 from memlab.region import track
 from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
+from memlab.step.model import config_of
 from memlab.step.run import InputFn, LossFn, ModelFn
 
 #: What an estimate cannot see, said in every estimate's notes.
@@ -50,6 +57,7 @@ def estimate(
     workspace: int | None = None,
     cuda_kernels: bool = True,
     trace: bool = False,
+    **settings: Any,
 ) -> Estimate:
     """Predict one step of ``config`` on a GPU, without a GPU.
 
@@ -66,11 +74,12 @@ def estimate(
         (`memlab.estimate.kernels`); False: as meta's own kernels, which are the CPU's (useful to
         compare an estimate with a CPU run).
     trace: keep the predicted allocation stream (`Estimate.trace`).
+    settings: RunConfig fields that override ``config`` (``estimate(m, x, batch_size=32)``).
 
     >>> e = estimate(lambda: GPT(), lambda b: torch.randint(0, 50257, (b, 512)), gpu="T4")
     >>> e.fits(), e.peak_allocated, e.peak_reserved
     """
-    config = (config or RunConfig()).with_(device="meta", budget=None)
+    config = config_of(config, settings).with_(device="meta", budget=None)
     card = find_gpu(gpu)
     if workspace is None:
         workspace = 0 if card is None else card.workspace
@@ -100,18 +109,25 @@ def estimate(
     try:
         with _cuda_like(cuda_kernels, workspaces.take):
             result = run(model_on_meta, input_on_meta, loss_fn, config, hooks=hooks)
+    except (RuntimeError, NotImplementedError, WhatIfError) as e:
+        cause = e.__cause__ if isinstance(e, WhatIfError) else e  # what the user's code raised
+        if not isinstance(cause, (RuntimeError, NotImplementedError)) or "meta" not in str(cause):
+            raise
+        raise WhatIfError(data_dependent(cause)) from cause
     finally:
         ledger.detach(listener)
     if result.report is None or listener.measured_from is None:
         raise WhatIfError(f"the step did not run: {result.error}")
-    e = _prediction(config, card, result.report, listener, tuple(workspaces.taken), tuple(units))
+    found = _prediction(
+        config, card, result.report, listener, tuple(workspaces.taken), tuple(units)
+    )
     if trace:
         stream = {
             "device_traces": [listener.events],
             "measured": [listener.events_from, listener.events_to],
         }
-        e = dataclasses.replace(e, trace=stream)
-    return e
+        found = dataclasses.replace(found, trace=stream)
+    return found
 
 
 @contextlib.contextmanager

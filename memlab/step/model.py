@@ -4,7 +4,7 @@ checkpointed blocks, and leaving the user's model as it was."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,31 @@ def resolve_device(spec: str | None) -> torch.device:
     if len(targets) != 1:
         raise WhatIfError(f"a run uses one device, not {spec!r}: name one, e.g. 'cuda:0'.")
     return torch.device(targets[0].name)
+
+
+def config_of(config: Any, overrides: dict[str, Any]) -> RunConfig:
+    """``config`` (a RunConfig, a mapping of its fields, or None) with ``overrides`` applied;
+    a WhatIfError names what is wrong."""
+    fields = set(RunConfig.__dataclass_fields__)
+    unknown = sorted(set(overrides) - fields) + (
+        sorted(set(config) - fields) if isinstance(config, Mapping) else []
+    )
+    if unknown:
+        raise WhatIfError(
+            f"{unknown[0]!r} is not a setting of a step: pass one of {', '.join(sorted(fields))}."
+        )
+    if config is None:
+        base = RunConfig()
+    elif isinstance(config, RunConfig):
+        base = config
+    elif isinstance(config, Mapping):
+        base = RunConfig(**config)
+    else:
+        raise WhatIfError(
+            f"config must be a memlab.whatif.RunConfig (or a dict of its fields), not "
+            f"{type(config).__name__} {config!r:.60}: e.g. config=RunConfig(amp='bf16')."
+        )
+    return base.with_(**overrides) if overrides else base
 
 
 def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -114,9 +139,13 @@ def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[None
 
 @contextlib.contextmanager
 def restored(model: nn.Module, weights: bool) -> Iterator[None]:
-    """Leave ``model`` as it was: modes, gradients and (after a training step) its values."""
+    """Leave ``model`` as it was: modes, gradients and (after a training step) its values.
+    The gradients are taken off the parameters for the block (a backward would add into them
+    in place) and put back as they were."""
     modes = [(m, m.training) for m in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]
+    for p, _ in grads:
+        p.grad = None
     values = {}
     if weights:  # copies on the CPU: a copy on the GPU would double what the run measures
         with torch.no_grad():

@@ -28,6 +28,7 @@ from memlab.step.model import (
     call,
     check_device,
     checkpointed,
+    config_of,
     optimizer,
     resolve_device,
     restored,
@@ -66,6 +67,7 @@ def run(
     config: RunConfig | None = None,
     *,
     hooks: StepHooks | None = None,
+    **settings: Any,
 ) -> RunResult:
     """A warm-up step, then one measured step under ``config``.
 
@@ -78,9 +80,14 @@ def run(
         mapping that has one, as a Hugging Face model given labels returns; otherwise the mean
         square of the output's first tensor).
     hooks: how the step runs for a prediction (`StepHooks`; the estimator passes them).
+    settings: RunConfig fields that override ``config`` (``run(m, x, batch_size=32)``).
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
+
+    >>> r = memlab.whatif.run(lambda: Net().cuda(), lambda b: torch.randn(b, 512, device="cuda"),
+    ...                       batch_size=64, amp="bf16")
+    >>> r.peak, r.report.breakdown.at_peak
     """
-    config = config or RunConfig()
+    config = config_of(config, settings)
     hooks = hooks or StepHooks()
     device = resolve_device(config.device)
     # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and the import keeps
@@ -194,6 +201,12 @@ def _step(
         with autocast():
             out = _forward(model, input_fn, micro, device, mark)
             loss = loss_of(loss_fn, out) / config.accumulation
+        if not loss.requires_grad:
+            raise WhatIfError(
+                "The loss does not require grad, so backward has nothing to do: is the forward "
+                "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
+                "forward alone, use mode='no_grad'."
+            )
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del out, loss
     if scaler is not None:
@@ -236,13 +249,14 @@ def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
             if isinstance(own, torch.Tensor) and own.numel() == 1:
                 return own  # the model computed its loss (it was given labels)
             out = list(out.values())
-        first = (
-            out
-            if isinstance(out, torch.Tensor)
-            else next((t for t in out if isinstance(t, torch.Tensor)), None)
-        )
+        first = out if isinstance(out, torch.Tensor) else None
+        if isinstance(out, (list, tuple)):
+            first = next((t for t in out if isinstance(t, torch.Tensor)), None)
         if first is None:
-            raise WhatIfError("The model's output holds no tensor: give a loss_fn.")
+            raise WhatIfError(
+                f"The model's forward returned {type(out).__name__}, which holds no tensor to "
+                "train on: return the output from forward, or pass a loss_fn."
+            )
         return first.float().pow(2).mean()
     loss = call("loss_fn", loss_fn, out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
