@@ -9,7 +9,6 @@ is removed in ``uninstall()``, which the region calls in ``finally``.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -19,11 +18,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import _torch
-from memlab.core._torch import OwnedMode, TorchDispatchMode
+from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
+from memlab.core.warmup import warm_up
 
 
 class _Mode(OwnedMode):
@@ -54,40 +54,6 @@ def _tensors(values: Any) -> list[torch.Tensor]:
         elif isinstance(v, (list, tuple)):
             found.extend(w for w in v if isinstance(w, torch.Tensor))
     return found
-
-
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-_warmed = False
-
-
-def _first_mode() -> None:
-    with _PassThrough():
-        torch.empty(0)
-    # the first optimizer imports it too (on older PyTorch, where a dispatch mode does not)
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-
-
-def warm_up() -> None:
-    """The first op under any dispatch mode, or the first optimizer, makes torch import
-    torch._dynamo (~2 s, once per process). Pay that here, outside every measured region,
-    instead of inside the first one.
-
-    The import leaves the frames that were on the stack in a reference cycle (torch.fx keeps the
-    frame that imports it), and a frame keeps its function's locals until Python's collector
-    runs: a model built later in the same function would stay alive after it returns. So the
-    import runs on a thread of its own, whose stack holds nothing of the caller's."""
-    global _warmed
-    if not _warmed:
-        thread = threading.Thread(target=_first_mode, name="memlab-warm-up")
-        thread.start()
-        thread.join()
-        _warmed = True
 
 
 class Accountant:

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from memlab.core import cuda
-from memlab.core.accounting import warm_up
 from memlab.core.categories import Category
 from memlab.core.ledger import default_ledger
+from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
