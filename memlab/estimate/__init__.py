@@ -1,8 +1,18 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
-from memlab.estimate.distributed import RankMemory, compare, per_rank
+from memlab.estimate.distributed import RankMemory, StrategyTable, compare, per_rank, strategies
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.predict import estimate
 from memlab.estimate.result import Estimate
 
-__all__ = ["GPU", "GPUS", "Estimate", "RankMemory", "compare", "estimate", "per_rank"]
+__all__ = [
+    "GPU",
+    "GPUS",
+    "Estimate",
+    "RankMemory",
+    "StrategyTable",
+    "compare",
+    "estimate",
+    "per_rank",
+    "strategies",
+]

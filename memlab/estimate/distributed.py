@@ -21,9 +21,12 @@ shrinks, or the allocator's cache. They are for planning, not for promises.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from memlab.core.categories import Category
 from memlab.estimate.result import Estimate
+from memlab.reports.frame import NAME, heading, note, num_cell, table, text_cell
+from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -44,6 +47,16 @@ class RankMemory:
     @property
     def total(self) -> int:
         return sum(self.by_category.values()) + self.extra
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "by_category": {c.value: b for c, b in self.by_category.items()},
+            "extra": self.extra,
+            "total": self.total,
+            "notes": list(self.notes),
+        }
 
 
 def per_rank(
@@ -79,18 +92,76 @@ def per_rank(
     return RankMemory(strategy, n, by_category, extra, tuple(notes))
 
 
-def compare(estimate: Estimate, world_size: int) -> str:
-    """A plain-text table of one rank's memory under every strategy."""
-    rows = [per_rank(estimate, world_size, s) for s in STRATEGIES if s != "zero3"]
-    head = f"{'per rank, ' + str(world_size) + ' GPUs':22}" + "".join(
-        f"{r.strategy:>11}" for r in rows
-    )
-    lines = [head]
-    for c in (*STATE, Category.ACTIVATION, Category.TEMPORARY, Category.INPUT):
-        if any(r.by_category.get(c) for r in rows):
+#: The categories a table shows, in order (those no strategy holds any of are left out).
+SHOWN = (*STATE, Category.ACTIVATION, Category.TEMPORARY, Category.INPUT)
+
+
+@dataclass(frozen=True)
+class StrategyTable(Result):
+    """One rank's memory at the step's peak under each strategy (`strategies`); ``rows`` holds
+    the per-rank figures (`RankMemory`), one per strategy."""
+
+    css = "memlab-strategies"
+
+    world_size: int
+    rows: tuple[RankMemory, ...]
+
+    @property
+    def categories(self) -> list[Category]:
+        return [c for c in SHOWN if any(r.by_category.get(c) for r in self.rows)]
+
+    def table(self) -> str:
+        """The figures alone, as `compare` returned them."""
+        n = self.world_size
+        lines = [
+            f"{'per rank, ' + str(n) + ' GPUs':22}"
+            + "".join(f"{r.strategy:>11}" for r in self.rows)
+        ]
+        for c in self.categories:
             lines.append(
-                f"{c.value:22}" + "".join(f"{fmt_bytes(r.by_category.get(c, 0)):>11}" for r in rows)
+                f"{c.value:22}"
+                + "".join(f"{fmt_bytes(r.by_category.get(c, 0)):>11}" for r in self.rows)
             )
-    lines.append(f"{'strategy buffers':22}" + "".join(f"{fmt_bytes(r.extra):>11}" for r in rows))
-    lines.append(f"{'total':22}" + "".join(f"{fmt_bytes(r.total):>11}" for r in rows))
-    return "\n".join(lines)
+        lines.append(
+            f"{'strategy buffers':22}" + "".join(f"{fmt_bytes(r.extra):>11}" for r in self.rows)
+        )
+        lines.append(f"{'total':22}" + "".join(f"{fmt_bytes(r.total):>11}" for r in self.rows))
+        return "\n".join(lines)
+
+    def notes(self) -> list[str]:
+        return [f"{r.strategy}: {n}" for r in self.rows for n in r.notes]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "strategies": [r.to_dict() for r in self.rows]}
+
+    def text(self) -> str:
+        return "\n".join([self.table(), *(f"  note: {n}" for n in self.notes())])
+
+    def html(self) -> str:
+        def line(name: str, figures: list[int], bold: bool = False) -> str:
+            style = f"{NAME};font-weight:600" if bold else NAME
+            return text_cell(name, style) + "".join(num_cell(b) for b in figures)
+
+        rows = [
+            line(c.value, [r.by_category.get(c, 0) for r in self.rows]) for c in self.categories
+        ]
+        rows.append(line("strategy buffers", [r.extra for r in self.rows]))
+        rows.append(line("total", [r.total for r in self.rows], bold=True))
+        head = heading(
+            f"per rank, {self.world_size} GPUs", "data parallelism on paper, at the step's peak"
+        )
+        body = table(["", *(r.strategy for r in self.rows)], rows, "memlab-strategies-table")
+        return "\n".join([head, body, *(note(n) for n in self.notes())])
+
+
+def strategies(estimate: Estimate, world_size: int) -> StrategyTable:
+    """One rank's memory under every strategy (ddp, zero1, zero2, fsdp) over ``world_size``
+    GPUs: ``.rows`` holds each strategy's `RankMemory`; display it, print it or ``.to_dict()``."""
+    rows = [per_rank(estimate, world_size, s) for s in STRATEGIES if s != "zero3"]
+    return StrategyTable(world_size, tuple(rows))
+
+
+def compare(estimate: Estimate, world_size: int) -> str:
+    """Kept for one release: use `strategies`, whose result prints the same table (with notes),
+    shows as HTML in a notebook and has ``.to_dict()``. Returns the plain-text table."""
+    return strategies(estimate, world_size).table()

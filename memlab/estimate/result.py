@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from html import escape
 from typing import Any
 
 from memlab.core.warn import moved
 from memlab.estimate.gpus import GPU
+from memlab.reports.frame import heading
+from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
 from memlab.step.config import RunConfig
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Result):
     """A predicted step on a GPU. Byte figures are what ``torch.cuda`` would report."""
+
+    css = "memlab-estimate"
 
     config: RunConfig
     gpu: GPU | None
@@ -80,6 +83,8 @@ class Estimate:
             "workspace": self.workspace,
             "oom": self.oom,
             "fits": None if self.gpu is None else self.fits(),
+            "workspaces": [[name, size] for name, size in self.workspaces],
+            "fsdp_units": list(self.fsdp_units),
             "report": self.report.to_dict(),
             "notes": list(self.notes),
         }
@@ -92,12 +97,12 @@ class Estimate:
             verdict = " · fits" if self.fits() else " · does NOT fit"
         return f"predicted for {where}{verdict}"
 
-    def __str__(self) -> str:
-        return f"{self.headline()}\n{self.report}"
+    def text(self) -> str:
+        return f"{self.headline()}\n{self.report.text()}"
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return self.text()
 
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
         # the verdict first: the report itself has no room for it
-        head = f'<div style="font-weight:bold;margin-bottom:4px">{escape(self.headline())}</div>'
-        return head + self.report._repr_html_()
+        return f"{heading(self.headline())}\n{self.report.html()}"

@@ -17,68 +17,15 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memlab.estimate.allocator import CachingAllocator
 
-
-@dataclass(frozen=True)
-class Divergence:
-    index: int  # the trace event's position
-    event: Mapping[str, Any]
-    real: str
-    model: str
-
-    def __str__(self) -> str:
-        e = self.event
-        return (
-            f"event {self.index} ({e.get('action')} of {e.get('size', 0):,} B): the allocator "
-            f"{self.real}, the model {self.model}"
-        )
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    events: int
-    allocations: int
-    #: Allocations both sides served the same way (same segment decision) before the first
-    #: divergence.
-    agreed: int
-    first_divergence: Divergence | None
-    #: Bytes requested and not yet freed at the end (a trace records requests, not blocks).
-    real_requested: int
-    real_reserved: int
-    model_allocated: int
-    model_reserved: int
-    #: Peaks over the events from ``start`` to ``end`` (the whole trace by default): the real
-    #: allocator's reserved bytes (read from its segment events) and the model's allocated and
-    #: reserved bytes. A trace holds requested sizes only, so the real peak *allocated* (blocks)
-    #: is not in it: compare the model's with ``torch.cuda.max_memory_allocated()``.
-    real_peak_reserved: int = 0
-    model_peak_allocated: int = 0
-    model_peak_reserved: int = 0
-
-    @property
-    def exact(self) -> bool:
-        """Every segment decision agreed and both end with the same reserved bytes."""
-        return self.first_divergence is None and self.real_reserved == self.model_reserved
-
-    def __str__(self) -> str:
-        lines = [
-            f"{self.events:,} events, {self.allocations:,} allocations; the model agreed on "
-            f"{self.agreed:,} before "
-            + ("the end" if self.first_divergence is None else "diverging"),
-            f"at the end: requested {self.real_requested:,} B; the model's blocks "
-            f"{self.model_allocated:,} B",
-            f"reserved at the end:  real {self.real_reserved:,} B, model {self.model_reserved:,} B",
-            f"peak reserved:        real {self.real_peak_reserved:,} B, model "
-            f"{self.model_peak_reserved:,} B",
-        ]
-        if self.first_divergence is not None:
-            lines.append(f"first divergence: {self.first_divergence}")
-        return "\n".join(lines)
+# The results live in their own module; imported here under their names, as before.
+from memlab.estimate.trace_result import Divergence as Divergence
+from memlab.estimate.trace_result import ReplayResult as ReplayResult
+from memlab.estimate.trace_result import StreamDiff as StreamDiff
 
 
 def read(path: str | Path) -> Any:
@@ -207,42 +154,6 @@ def replay(
         model_peak_allocated=peaks[1],
         model_peak_reserved=peaks[2],
     )
-
-
-@dataclass(frozen=True)
-class StreamDiff:
-    """How a predicted allocation stream differs from a real one (requested sizes, in order)."""
-
-    predicted: tuple[int, ...]
-    real: tuple[int, ...]
-    #: Position of the first allocation whose size differs (None: one stream is a prefix of
-    #: the other, or they are the same).
-    first: int | None
-    #: Sizes requested a different number of times: (size, times predicted, times real), the
-    #: largest difference in bytes first.
-    counts: tuple[tuple[int, int, int], ...]
-
-    @property
-    def same(self) -> bool:
-        return self.predicted == self.real
-
-    def __str__(self) -> str:
-        lines = [
-            f"predicted {len(self.predicted):,} allocations ({sum(self.predicted):,} B), real "
-            f"{len(self.real):,} ({sum(self.real):,} B)"
-        ]
-        if self.same:
-            return lines[0] + ": the same sizes in the same order"
-        if self.first is not None:
-            i = self.first
-            lines.append(
-                f"first difference at allocation {i}: predicted "
-                f"{list(self.predicted[i : i + 4])}, real {list(self.real[i : i + 4])} "
-                f"(after {list(self.real[max(0, i - 3) : i])})"
-            )
-        for size, p, r in self.counts[:8]:
-            lines.append(f"  {size:>14,} B: predicted {p} times, real {r}")
-        return "\n".join(lines)
 
 
 def _allocation_sizes(events: list[dict[str, Any]]) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ from html import escape
 from typing import Any
 
 from memlab.core._torch import SAVED_PREFIX
-from memlab.reports.html import num_cell, table, text_cell
+from memlab.reports.frame import frame, heading, note, num_cell, table, text_cell
+from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
 
 #: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
@@ -43,13 +44,16 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Graph:
+class Graph(Result):
     """An autograd graph annotated with the bytes each node saved for backward.
 
     ``activation_bytes`` counts each saved storage once (charged to the earliest node that saved
     it) and leaves out parameters, buffers and the forward's inputs, which exist anyway: it
     equals what ``memlab.track(breakdown=True)`` reports as activation for the same forward.
+    In a notebook it shows the drawing (SVG) above `html`, its table of the heaviest nodes.
     """
+
+    css = "memlab-graph"
 
     nodes: tuple[Node, ...]
     roots: tuple[int, ...]
@@ -86,7 +90,16 @@ class Graph:
                     "bytes": n.bytes,
                     "inputs": list(n.inputs),
                     "leaf": n.leaf,
-                    "saved": [s.__dict__ for s in n.saved],
+                    "saved": [
+                        {
+                            "attr": s.attr,
+                            "shape": list(s.shape),
+                            "dtype": s.dtype,
+                            "nbytes": s.nbytes,
+                            "kind": s.kind,
+                        }
+                        for s in n.saved
+                    ],
                 }
                 for n in self.nodes
             ],
@@ -116,26 +129,31 @@ class Graph:
         return GraphView(self, depth)
 
     def table_html(self, k: int = 10) -> str:
+        """The ``k`` heaviest nodes, in the frame: what a notebook shows under the drawing."""
+        return frame(self.html(k), self.css)
+
+    def html(self, k: int = 10) -> str:
         rows = [
             text_cell(n.op) + text_cell(n.module or "(top level)") + num_cell(n.bytes)
             for n in self.heaviest(k)
         ]
-        return (
-            f'<div style="font-family:system-ui,sans-serif;font-size:12px"><b>'
-            f"{fmt_bytes(self.activation_bytes)} saved for backward</b> in {len(self.nodes)} "
-            f"nodes (parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)})"
-            f"{table(['heaviest node', 'module', 'saved'], rows, 'memlab-graph-table')}</div>"
+        head = heading(
+            f"{fmt_bytes(self.activation_bytes)} saved for backward in {len(self.nodes)} nodes",
+            f"parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)}",
         )
+        body = [head, table(["heaviest node", "module", "saved"], rows, "memlab-graph-table")]
+        return "\n".join(body + [note(n) for n in self.notes])
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return _bundle(self, None)
 
-    def __str__(self) -> str:
+    def text(self) -> str:
         lines = [
             f"memlab graph: {len(self.nodes)} nodes, {fmt_bytes(self.activation_bytes)} saved "
-            "for backward"
+            f"for backward (parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)})"
         ]
         lines += [f"  {fmt_bytes(n.bytes):>10}  {n.op}  {n.module}" for n in self.heaviest()]
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ import torch
 
 from memlab.core.autograd import iter_nodes
 from memlab.graphs.saved import GraphFreedError, saved_tensors
-from memlab.reports.html import CELL, LEFT, num_cell, table, text_cell
+from memlab.reports.frame import CELL, LEFT, heading, num_cell, table, text_cell
+from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
 
 MAX_ITEMS = 10_000
@@ -52,7 +53,11 @@ class Retained:
 
 
 @dataclass(frozen=True)
-class RetainedReport:
+class RetainedReport(Result):
+    """What `find_retained` found: each variable and the bytes its graphs alone keep alive."""
+
+    css = "memlab-retained"
+
     items: tuple[Retained, ...]
 
     @property
@@ -75,7 +80,7 @@ class RetainedReport:
             ],
         }
 
-    def __str__(self) -> str:
+    def text(self) -> str:
         if not self.items:
             return "memlab: no variable keeps an autograd graph's saved tensors alive."
         lines = [f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs in variables"]
@@ -86,12 +91,9 @@ class RetainedReport:
             )
         return "\n".join(lines)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
         if not self.items:
-            return f"<div>{escape(str(self))}</div>"
+            return heading(self.text())
         rows = [
             f'<td style="{LEFT}"><code>{escape(i.name)}</code></td>'
             + num_cell(i.bytes, colour=True)
@@ -101,10 +103,8 @@ class RetainedReport:
             for i in self.items
         ]
         head = ["variable", "kept alive", "tensors", "graph nodes", "fix"]
-        return (
-            '<div class="memlab-retained" style="font-family:system-ui,sans-serif;font-size:12px">'
-            f"<b>memlab: {fmt_bytes(self.total)} kept alive by autograd graphs</b>"
-            f"{table(head, rows, 'memlab-retained-table')}</div>"
+        return heading(f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs") + table(
+            head, rows, "memlab-retained-table"
         )
 
 

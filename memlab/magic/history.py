@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from memlab.reports.html import CELL, num_cell, table, text_cell
+from memlab.reports.frame import CELL, heading, num_cell, table, text_cell
+from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
@@ -32,7 +33,11 @@ class Entry(NamedTuple):
         return self.label or f"[{self.cell}]"
 
 
-class History:
+class History(Result):
+    """The tracked cells of this kernel, oldest first (``%gpumem_history``)."""
+
+    css = "memlab-history"
+
     def __init__(self) -> None:
         self.entries: deque[Entry] = deque(maxlen=MAX_ENTRIES)
 
@@ -57,8 +62,8 @@ class History:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def to_dict(self) -> list[dict[str, Any]]:
-        return [e._asdict() for e in self.entries]
+    def to_dict(self) -> dict[str, Any]:
+        return {"cells": [e._asdict() for e in self.entries]}
 
     def plot(self) -> Figure:
         from memlab.reports.plot import plot_history
@@ -68,7 +73,7 @@ class History:
         es = list(self.entries)
         return plot_history([e.name for e in es], [e.after for e in es], [e.peak for e in es])
 
-    def __str__(self) -> str:
+    def text(self) -> str:
         if not self.entries:
             return "memlab history: no tracked cells yet."
         w = max(6, *(len(e.name) for e in self.entries))
@@ -82,12 +87,9 @@ class History:
             )
         return "\n".join(lines)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
         if not self.entries:
-            return "<div>memlab history: no tracked cells yet.</div>"
+            return heading("memlab history: no tracked cells yet.")
         rows = [
             text_cell(e.name)
             + text_cell(e.device)
@@ -99,7 +101,4 @@ class History:
             for e in self.entries
         ]
         head = ["cell", "device", "allocated after", "change", "peak", "time", "raised"]
-        return (
-            '<div class="memlab-history" style="font-family:system-ui,sans-serif;font-size:12px">'
-            f"<b>memlab history</b>{table(head, rows, 'memlab-history-table')}</div>"
-        )
+        return heading("memlab history") + table(head, rows, "memlab-history-table")

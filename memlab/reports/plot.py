@@ -1,18 +1,42 @@
-"""Matplotlib figures. matplotlib is imported here, when a plot is asked for, never before."""
+"""The one plotting module: every matplotlib figure memlab draws, and `png` to send one as an
+image. matplotlib is imported here, when a plot is asked for, never before. Axes are in MiB."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import io
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from memlab.reports.report import MemoryReport
+from memlab.core.categories import Category
+from memlab.reports.units import mib
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from memlab.reports.report import MemoryReport
+
 _PHASE_COLOURS = {"forward": "#d6eaf8", "backward": "#fdebd0", "optimizer": "#e8daef"}
-_MIB = 1024**2
+CATEGORY_COLOURS = {
+    Category.PARAMETER: "#1f4e79",
+    Category.BUFFER: "#5b9bd5",
+    Category.OPTIMIZER_STATE: "#7030a0",
+    Category.GRADIENT: "#c55a11",
+    Category.INPUT: "#70ad47",
+    Category.ACTIVATION: "#e8a33d",
+    Category.TEMPORARY: "#bfbfbf",
+    Category.OTHER: "#7f7f7f",
+    Category.UNATTRIBUTED: "#d9d9d9",
+}
+#: Resolution of the images `png` makes: the magics' default; the panel's smaller charts pass 80.
+DPI = 96
+
+
+def png(fig: Any, dpi: int = DPI) -> bytes:
+    """A figure as PNG bytes (for ``IPython.display.Image`` or an ipywidgets ``Image``)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
 
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
@@ -38,7 +62,7 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     fig, ax = _axes(ax, (7.0, 2.8))
     xs = [0.0, *tl.seconds, r.seconds]
     ys = [r.allocated_before, *tl.allocated, tl.allocated[-1]]
-    ax.step(xs, [y / _MIB for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
+    ax.step(xs, [mib(y) for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
     start = 0
     for i in range(1, len(tl.phases) + 1):
         if i == len(tl.phases) or tl.phases[i] != tl.phases[start]:
@@ -46,8 +70,8 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
             if colour:
                 ax.axvspan(tl.seconds[start], xs[i + 1], color=colour, lw=0)
             start = i
-    ax.axhline(r.peak_allocated / _MIB, color="#b03a2e", ls="--", lw=0.8, label="peak")
-    ax.axhline(r.allocated_before / _MIB, color="#7f8c8d", ls=":", lw=0.8, label="before")
+    ax.axhline(mib(r.peak_allocated), color="#b03a2e", ls="--", lw=0.8, label="peak")
+    ax.axhline(mib(r.allocated_before), color="#7f8c8d", ls=":", lw=0.8, label="before")
     for phase, colour in _PHASE_COLOURS.items():
         if phase in tl.phases:
             ax.axvspan(0, 0, color=colour, label=phase)
@@ -67,10 +91,33 @@ def plot_history(
     """Allocated after each tracked cell and the peak inside it."""
     fig, ax = _axes(ax, (7.0, 2.8))
     xs = list(range(len(names)))
-    ax.plot(xs, [a / _MIB for a in after], marker="o", color="#1f4e79", label="allocated after")
-    ax.plot(xs, [p / _MIB for p in peak], marker="^", ls="--", color="#b03a2e", label="peak inside")
+    ax.plot(xs, [mib(a) for a in after], marker="o", color="#1f4e79", label="allocated after")
+    ax.plot(xs, [mib(p) for p in peak], marker="^", ls="--", color="#b03a2e", label="peak inside")
     ax.set_xticks(xs, names, rotation=45 if len(names) > 12 else 0, fontsize=8)
     ax.set_xlabel("tracked cell")
     ax.set_ylabel("MiB")
     ax.legend(loc="upper left", fontsize=8, frameon=False)
+    return fig
+
+
+def plot_categories(at_peak: Sequence[Mapping[Category, int]], ax: Axes | None = None) -> Figure:
+    """Stacked bars: each run's bytes by category at its peak (runs numbered from 1)."""
+    fig, ax = _axes(ax, (5.5, 2.8))
+    xs = list(range(1, len(at_peak) + 1))
+    bottom = [0.0] * len(at_peak)
+    for c in Category:
+        values = [mib(cats.get(c, 0)) for cats in at_peak]
+        if any(values):
+            ax.bar(
+                xs,
+                values,
+                bottom=bottom,
+                color=CATEGORY_COLOURS[c],
+                label=c.value.replace("_", " "),
+            )
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("run")
+    ax.set_ylabel("MiB at the peak")
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
     return fig

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
 from memlab.core.cuda import DriverView
+from memlab.reports.protocol import Result
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -65,7 +66,7 @@ class Timeline:
 
 
 @dataclass(frozen=True)
-class MemoryReport:
+class MemoryReport(Result):
     """What one region did to one device's memory.
 
     ``source`` says where the numbers come from: ``"cuda-allocator"`` (the caching allocator's
@@ -73,6 +74,8 @@ class MemoryReport:
     ``"tensor-accounting"`` (bytes of the tensor storages memlab saw; on a CPU,
     "allocated" means the live storages memlab knows about).
     """
+
+    css = "memlab-report"
 
     device: str
     source: str
@@ -139,18 +142,15 @@ class MemoryReport:
             }
         return d
 
-    def __str__(self) -> str:
+    def text(self) -> str:
         from memlab.reports.text import render_text
 
         return render_text(self)
 
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
         from memlab.reports.html import render_html
 
         return render_html(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
 
     def plot(self, ax: Axes | None = None) -> Figure:
         """The timeline as a matplotlib figure (needs ``timeline=True`` when measuring)."""
@@ -160,8 +160,11 @@ class MemoryReport:
 
 
 @dataclass(frozen=True)
-class Reports:
-    """The reports of one region measured on several devices (``device="all"``)."""
+class Reports(Result):
+    """The reports of one region measured on several devices (``device="all"``): each report in
+    its own frame, one under the other."""
+
+    css = "memlab-devices"
 
     reports: tuple[MemoryReport, ...]
 
@@ -177,11 +180,8 @@ class Reports:
     def to_dict(self) -> dict[str, Any]:
         return {"reports": [r.to_dict() for r in self.reports]}
 
-    def __str__(self) -> str:
-        return "\n\n".join(str(r) for r in self.reports)
+    def text(self) -> str:
+        return "\n\n".join(r.text() for r in self.reports)
 
-    def _repr_html_(self) -> str:
-        return "".join(r._repr_html_() for r in self.reports)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+    def html(self) -> str:
+        return "\n".join(r._repr_html_() for r in self.reports)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def mib(n: int | float) -> float:
+    """Bytes as a float count of MiB, for the axes of plots (text uses `fmt_bytes`)."""
+    return n / MiB
 
 
 def fmt_bytes(n: int | None, signed: bool = False) -> str:

@@ -5,12 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memlab.reports.frame import heading, note, warning
+from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
+from memlab.reports.units import fmt_bytes
 from memlab.step.config import RunConfig
 
 
 @dataclass(frozen=True)
-class RunResult:
+class RunResult(Result):
+    """One what-if run: what was run, its report (None when it failed before one), and whether
+    it ran out of memory or over its budget (``oom``, with ``error`` saying which)."""
+
+    css = "memlab-run"
+
     config: RunConfig
     report: MemoryReport | None
     oom: bool = False
@@ -24,6 +32,24 @@ class RunResult:
     def peak(self) -> int | None:
         return None if self.report is None else self.report.peak_allocated
 
+    @property
+    def verdict(self) -> str:
+        """``""`` when the step fitted, else "out of memory" or "predicted not to fit"."""
+        if not self.oom:
+            return ""
+        return "predicted not to fit" if self.predicted_for else "out of memory"
+
+    @property
+    def title(self) -> str:
+        """ "what-if run · train, batch 4, adam" (" · predicted for T4" for a prediction)."""
+        title = f"what-if run · {self.config.describe()}"
+        return title + (f" · predicted for {self.predicted_for}" if self.predicted_for else "")
+
+    def _series(self) -> str | None:
+        if not self.series:
+            return None
+        return "allocated after each iteration: " + ", ".join(fmt_bytes(b) for b in self.series)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.describe(),
@@ -31,5 +57,28 @@ class RunResult:
             "error": self.error,
             "series": list(self.series),
             "predicted_for": self.predicted_for,
+            "peak": self.peak,
             "report": None if self.report is None else self.report.to_dict(),
         }
+
+    def text(self) -> str:
+        lines = [self.title]
+        if self.error or self.verdict:
+            lines.append(f"  {': '.join(filter(None, (self.verdict, self.error)))}")
+        series = self._series()
+        if series:
+            lines.append(f"  {series}")
+        if self.report is not None:
+            lines.append(self.report.text())
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        parts = [heading(self.title)]
+        if self.error or self.verdict:
+            parts.append(warning(": ".join(filter(None, (self.verdict, self.error)))))
+        series = self._series()
+        if series:
+            parts.append(note(series))
+        if self.report is not None:
+            parts.append(self.report.html())
+        return "\n".join(parts)

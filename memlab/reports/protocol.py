@@ -1,0 +1,45 @@
+"""The report protocol: what every memlab result gives, whatever it measured or predicted.
+
+A result implements three methods and inherits the rest:
+
+- ``text()``: plain text for terminals and logs; ``str(result)`` and IPython's plain display;
+- ``html()``: the HTML *body*, made with the pieces of `memlab.reports.frame`; ``_repr_html_``
+  draws it in the one frame, with the class ``memlab <css>``;
+- ``to_dict()``: plain data that ``json.dumps`` takes; byte figures are ints in bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from memlab.reports.frame import frame
+
+
+class Result(ABC):
+    """Mixin for result types: ``__str__``, ``_repr_html_`` and ``_repr_pretty_`` from ``text``
+    and ``html``."""
+
+    #: The frame's CSS class, e.g. ``"memlab-report"`` (tests and the browser find results by it).
+    css: ClassVar[str] = "memlab-result"
+
+    @abstractmethod
+    def text(self) -> str:
+        """Plain text, several lines, no trailing newline."""
+
+    @abstractmethod
+    def html(self) -> str:
+        """The HTML inside the frame; every user string escaped."""
+
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe plain data."""
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return frame(self.html(), self.css)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())

@@ -1,0 +1,172 @@
+"""Runs side by side: each run's peak against its baseline, its activations, time and verdict.
+
+Like is compared with like: a measured run with the first measured run, a prediction with the
+first prediction for the same GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from memlab.core.categories import Category
+from memlab.reports.frame import CELL, GROW, LEFT, heading, note, num_cell, table, text_cell
+from memlab.reports.protocol import Result
+from memlab.reports.text import columns
+from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.step.result import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+EMPTY = "memlab: no runs yet."
+HEAD = ["run", "configuration", "peak", "vs baseline", "activations", "time", ""]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run's line of the comparison (``run`` counts from 1)."""
+
+    run: int
+    configuration: str
+    peak: int | None
+    #: Peak minus its baseline's peak; None on a baseline row or without a peak.
+    vs_baseline: int | None
+    #: The most activation bytes alive at any moment of the step.
+    activations: int
+    #: None for a prediction (its run time is the meta device's, not a GPU's) or a failed run.
+    seconds: float | None
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Comparison(Result):
+    """Several runs (`RunResult`) side by side: the what-if panel's table and chart."""
+
+    css = "memlab-comparison"
+
+    results: tuple[RunResult, ...]
+
+    def __init__(self, results: Sequence[RunResult]) -> None:
+        object.__setattr__(self, "results", tuple(results))
+
+    @property
+    def title(self) -> str:
+        n = len(self.results)
+        return f"memlab: {n} run{'s' if n != 1 else ''} compared"
+
+    @property
+    def baselines(self) -> dict[str | None, int]:
+        """The run each kind is compared with: None (measured) or a GPU's name -> run number."""
+        out: dict[str | None, int] = {}
+        for i, r in enumerate(self.results, 1):
+            if r.peak is not None:
+                out.setdefault(r.predicted_for, i)
+        return out
+
+    def rows(self) -> list[Row]:
+        base = {kind: (i, self.results[i - 1].peak) for kind, i in self.baselines.items()}
+        rows = []
+        for i, r in enumerate(self.results, 1):
+            b = base.get(r.predicted_for)
+            change = None
+            if r.peak is not None and b is not None and b[1] is not None and b[0] != i:
+                change = r.peak - b[1]
+            breakdown = r.report.breakdown if r.report else None
+            described = r.config.describe()
+            if r.predicted_for:
+                described += f" · predicted for {r.predicted_for}"
+            rows.append(
+                Row(
+                    i,
+                    described,
+                    r.peak,
+                    change,
+                    breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0,
+                    r.report.seconds if r.report and not r.predicted_for else None,
+                    r.verdict,
+                )
+            )
+        return rows
+
+    def baseline_note(self) -> str | None:
+        """ "baselines: run 1 (measured), run 2 (predicted for T4)": said when it is not simply
+        run 1 of measured runs."""
+        kinds = self.baselines
+        if len(kinds) <= 1 and None in kinds:
+            return None
+        return "baselines: " + ", ".join(
+            f"run {i} ({'measured' if kind is None else f'predicted for {kind}'})"
+            for kind, i in kinds.items()
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "runs": [
+                {
+                    **r.to_dict(),
+                    "run": row.run,
+                    "vs_baseline": row.vs_baseline,
+                    "activations": row.activations,
+                }
+                for r, row in zip(self.results, self.rows(), strict=True)
+            ],
+            "baselines": [{"run": i, "predicted_for": k} for k, i in self.baselines.items()],
+        }
+
+    def text(self) -> str:
+        if not self.results:
+            return EMPTY
+        rows = [
+            [
+                str(row.run),
+                row.configuration,
+                fmt_bytes(row.peak),
+                "" if row.vs_baseline is None else fmt_bytes(row.vs_baseline, signed=True),
+                fmt_bytes(row.activations),
+                "" if row.seconds is None else fmt_seconds(row.seconds),
+                row.verdict,
+            ]
+            for row in self.rows()
+        ]
+        lines = [self.title, *columns(HEAD, rows, align="rlrrrrl")]
+        said = self.baseline_note()
+        return "\n".join(lines + ([f"  {said}"] if said else []))
+
+    def html(self) -> str:
+        if not self.results:
+            return heading(EMPTY)
+        cells = [
+            text_cell(str(row.run), CELL)
+            + text_cell(row.configuration)
+            + num_cell(row.peak)
+            + (
+                num_cell(row.vs_baseline, signed=True, colour=True)
+                if row.vs_baseline is not None
+                else text_cell("")
+            )
+            + num_cell(row.activations)
+            + text_cell("" if row.seconds is None else fmt_seconds(row.seconds), CELL)
+            + text_cell(row.verdict, f"{LEFT};color:{GROW}")
+            for row in self.rows()
+        ]
+        said = self.baseline_note()
+        return (
+            heading(self.title)
+            + table(HEAD, cells, "memlab-runs")
+            + (f"\n{note(said)}" if said else "")
+        )
+
+    def plot(self, ax: Axes | None = None) -> Figure:
+        """Stacked bars: each run's bytes by category at its peak, numbered as in the table."""
+        from memlab.reports.plot import plot_categories
+
+        return plot_categories(
+            [
+                r.report.breakdown.at_peak if r.report and r.report.breakdown else {}
+                for r in self.results
+            ],
+            ax,
+        )
