@@ -14,7 +14,16 @@ def load(ipython: Any) -> None:
 
 
 def unload(ipython: Any) -> None:
+    """Removes what ``load`` installed: automatic tracking and the magics themselves (the
+    history stays on the shell for a ``%reload_ext``)."""
     magics = getattr(ipython, "_memlab_magics", None)
-    if magics is not None:
-        magics.auto_off()
-        del ipython._memlab_magics
+    if magics is None:
+        return
+    magics.auto_off()
+    manager = ipython.magics_manager
+    for kind, names in magics.magics.items():
+        for name in names:
+            if manager.magics[kind].get(name) is not None:
+                del manager.magics[kind][name]
+    manager.registry.pop(type(magics).__name__, None)
+    del ipython._memlab_magics

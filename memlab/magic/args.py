@@ -6,6 +6,7 @@ import argparse
 import functools
 import keyword
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from IPython.core.error import UsageError
@@ -109,14 +110,23 @@ def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
             "%gpumem: -q shows nothing and --timeline draws a plot: drop one "
             "(with -q -o NAME you can plot later with NAME.plot())."
         )
-    if ns.out is not None and (not ns.out.isidentifier() or keyword.iskeyword(ns.out)):
-        raise UsageError(f"%gpumem: -o needs a Python variable name, not {ns.out!r}.")
+    if ns.out is not None:
+        ns.out = variable_name(ns.out, "%gpumem")
     return Options(
         ns.device, ns.breakdown, ns.timeline, ns.reset, ns.driver, ns.out, ns.quiet, label
     )
 
 
 @functools.lru_cache(maxsize=256)
+def variable_name(text: str, magic: str) -> str:
+    """``text`` as the name Python will look up (identifiers are NFKC-normalised: a typed ``µ``
+    is ``μ``), or a UsageError naming the magic."""
+    name = unicodedata.normalize("NFKC", text)
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UsageError(f"{magic}: -o needs a Python variable name, not {text!r}.")
+    return name
+
+
 def parse_cell_line(line: str) -> Options:
     """The ``%%gpumem`` line: options, then free words that make the label. (Cached: the same
     line comes back cell after cell; a bad line raises every time.)"""

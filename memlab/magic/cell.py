@@ -7,6 +7,7 @@ returned; the source is never re-indented or rewritten.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import inspect
@@ -19,6 +20,9 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 NO_VALUE = object()
+_FUTURE_FLAGS = 0
+for _name in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
 
 
 def compile_cell(
@@ -43,6 +47,8 @@ def compile_cell(
     flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
     expr = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+    # a `from __future__ import ...` in the cell holds for later cells, as IPython's own do
+    shell.compile.flags |= body.co_flags & _FUTURE_FLAGS
     if _is_async(body) or (expr is not None and _is_async(expr)):
         raise UsageError(
             "%gpumem cannot measure a cell with top-level `await`: put the awaited code in an "

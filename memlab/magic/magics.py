@@ -14,9 +14,16 @@ from IPython.display import Image, display
 
 from memlab.core.devices import DeviceError
 from memlab.core.ledger import default_ledger
-from memlab.magic.args import HELP, Options, parse_cell_line, parse_statement_line
+from memlab.magic.args import (
+    HELP,
+    Options,
+    parse_cell_line,
+    parse_statement_line,
+    variable_name,
+)
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
+from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.report import MemoryReport, Reports
 from memlab.reports.units import fmt_bytes, fmt_seconds
@@ -67,7 +74,9 @@ class GpumemMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.sh: Any = shell  # never None once registered
-        self.history = History()
+        # kept on the shell, so that %reload_ext memlab keeps the kernel's history
+        self.history: History = getattr(shell, "_memlab_history", None) or History()
+        shell._memlab_history = self.history
         self._auto: Options | None = None
         self._auto_region: track | None = None
 
@@ -82,7 +91,11 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
-        body, expr, quiet = compile_cell(self.sh, source, header)
+        try:
+            body, expr, quiet = compile_cell(self.sh, source, header)
+        except SyntaxError as e:
+            e.with_traceback(None)  # the cell's line is in the error itself: no memlab frames
+            raise
         try:
             with region:
                 value = execute(self.sh, body, expr)
@@ -90,8 +103,9 @@ class GpumemMagics(Magics):
                     # a hidden value is dropped in the cell, as IPython drops it: it must not
                     # count as still allocated at the cell's end
                     value = NO_VALUE
-        except BaseException:
+        except BaseException as e:
             self._publish(region, opts)
+            without_memlab(e)
             raise
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
@@ -151,9 +165,9 @@ class GpumemMagics(Magics):
         out = None
         if "-o" in args:
             i = args.index("-o")
-            if i + 1 >= len(args) or not args[i + 1].isidentifier():
-                raise UsageError("%gpumem_history -o needs a variable name.")
-            out = args.pop(i + 1)
+            if i + 1 >= len(args):
+                raise UsageError("%gpumem_history: -o needs a variable name.")
+            out = variable_name(args.pop(i + 1), "%gpumem_history")
             args.remove("-o")
         unknown = set(args) - {"--clear", "--no-plot"}
         if unknown:
@@ -184,8 +198,8 @@ class GpumemMagics(Magics):
 
         args = line.split()
         out = None
-        if args[:1] == ["-o"] and len(args) == 2 and args[1].isidentifier():
-            out = args[1]
+        if args[:1] == ["-o"] and len(args) == 2:
+            out = variable_name(args[1], "%gpumem_leaks")
         elif args:
             raise UsageError("%gpumem_leaks takes no arguments but -o NAME.")
         report = find_retained(self.sh.user_ns, skip=self.sh.user_ns_hidden)
