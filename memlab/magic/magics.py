@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Container
 from typing import Any
 
@@ -25,6 +24,7 @@ from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
+from memlab.reports.plot import png
 from memlab.reports.report import MemoryReport, Reports
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
@@ -277,6 +277,4 @@ class GpumemMagics(Magics):
 
 
 def _png(fig: Any) -> Image:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=96)
-    return Image(data=buf.getvalue(), format="png")
+    return Image(data=png(fig), format="png")

@@ -4,6 +4,7 @@
 step (AMP, checkpointing, no_grad, batch, accumulation, optimizer).
 """
 
+from memlab.step.comparison import Comparison
 from memlab.step.config import Amp, Mode, Optimizer, Retention, RunConfig, WhatIfError
 from memlab.step.model import blocks
 from memlab.step.result import RunResult
@@ -11,6 +12,7 @@ from memlab.step.run import StepHooks, run
 
 __all__ = [
     "Amp",
+    "Comparison",
     "Mode",
     "Optimizer",
     "Retention",

@@ -3,6 +3,7 @@ configuration, measured and compared). ``memlab.whatif.run`` and ``RunConfig`` s
 
 from memlab.step import (
     Amp,
+    Comparison,
     Mode,
     Optimizer,
     Retention,
@@ -16,6 +17,7 @@ from memlab.step import (
 
 __all__ = [
     "Amp",
+    "Comparison",
     "Mode",
     "Optimizer",
     "Retention",
