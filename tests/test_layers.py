@@ -61,9 +61,13 @@ def imports(path: Path, top_level_only: bool = False) -> list[tuple[int, str]]:
     for node in nodes:
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.startswith("memlab")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("memlab"):
-                found.append((node.lineno, node.module))
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and node.module.startswith("memlab")
+        ):
+            found.append((node.lineno, node.module))
     return found
 
 
@@ -87,7 +91,7 @@ def test_no_import_cycles_between_modules() -> None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt) :] + [nxt]
+                cycle = [*path[path.index(nxt) :], nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt in graph and not state.get(nxt):
                 visit(nxt)
@@ -145,18 +149,19 @@ def private_torch_names(source: str) -> list[str]:
                 found.append(f"{node.lineno}: from {mod} import {', '.join(names)}")
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("torch") and any(
-                    p.startswith("_") for p in a.name.split(".")
-                ):
+                if a.name.startswith("torch") and any(p.startswith("_") for p in a.name.split(".")):
                     found.append(f"{node.lineno}: import {a.name}")
         elif isinstance(node, ast.Attribute):
             attr = node.attr
-            if attr.startswith("_") and not attr.startswith("__"):
-                if _root(node) in TORCH_ALIASES or attr in KNOWN_PRIVATE:
-                    found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value.startswith(PRIVATE_STRING_PREFIXES):
-                found.append(f"{node.lineno}: {node.value!r}")
+            private = attr.startswith("_") and not attr.startswith("__")
+            if private and (_root(node) in TORCH_ALIASES or attr in KNOWN_PRIVATE):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(PRIVATE_STRING_PREFIXES)
+        ):
+            found.append(f"{node.lineno}: {node.value!r}")
     return found
 
 
@@ -167,9 +172,7 @@ def test_private_torch_names_only_in_the_seam() -> None:
         if rel == SEAM:
             continue
         outside += [f"{rel}:{hit}" for hit in private_torch_names(path.read_text())]
-    assert not outside, "private torch names outside memlab/core/_torch.py:\n" + "\n".join(
-        outside
-    )
+    assert not outside, "private torch names outside memlab/core/_torch.py:\n" + "\n".join(outside)
 
 
 @pytest.mark.parametrize(

@@ -30,3 +30,25 @@ class Choice(str, Enum):
     @classmethod
     def values(cls) -> tuple[str, ...]:
         return tuple(m.value for m in cls)
+
+
+class Source(Choice):
+    """Where a report's numbers come from."""
+
+    CUDA_ALLOCATOR = "cuda-allocator"  # the caching allocator's own counters
+    TENSOR_ACCOUNTING = "tensor-accounting"  # bytes of the tensor storages memlab saw
+    ESTIMATE = "estimate"  # a prediction by memlab.estimate, not a measurement
+
+
+class PeakScope(Choice):
+    """What a report's peak covers."""
+
+    REGION = "region"  # the highest value inside the region
+    SINCE_RESET = "since-reset"  # since the allocator's peak counter was last reset
+
+
+class TimelineSource(Choice):
+    """What a timeline's points count."""
+
+    TENSOR_ACCOUNTING = "tensor accounting"
+    ALLOCATOR_MODEL = "allocator model"

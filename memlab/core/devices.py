@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memlab.core.choices import Source
+
 
 class DeviceError(ValueError):
     """A device that cannot be measured on this machine."""
@@ -23,8 +25,8 @@ class Target:
         return self.index is not None
 
     @property
-    def source(self) -> str:
-        return "cuda-allocator" if self.is_cuda else "tensor-accounting"
+    def source(self) -> Source:
+        return Source.CUDA_ALLOCATOR if self.is_cuda else Source.TENSOR_ACCOUNTING
 
 
 def _cuda_count() -> int:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 from typing import Any
 
+from memlab.core.choices import Source, TimelineSource
 from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator
 from memlab.estimate.autocast import emulated
@@ -198,11 +199,11 @@ def _prediction(
             seconds=timeline.seconds,
             allocated=tuple(at(x) for x in timeline.seconds),
             phases=timeline.phases,
-            source="allocator model",
+            source=TimelineSource.ALLOCATOR_MODEL,
         )
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
-        source="estimate",
+        source=Source.ESTIMATE,
         allocated_before=before[0],
         allocated_after=after[0],
         peak_allocated=max(a for a, _ in [before, *during]),

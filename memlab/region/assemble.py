@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.choices import PeakScope, TimelineSource
 from memlab.core.cuda import CudaRegion, driver_view
 from memlab.core.devices import Target
 from memlab.core.recorder import Phase, Tally
@@ -66,7 +67,7 @@ def assemble(
         active_after=e.active,
         alloc_retries=e.alloc_retries - s.alloc_retries,
         ooms=e.ooms - s.ooms,
-        peak_scope="region" if cr.peak_is_regional else "since-reset",
+        peak_scope=PeakScope.REGION if cr.peak_is_regional else PeakScope.SINCE_RESET,
         breakdown=_breakdown(tally, cr.peak_allocated, e.allocated) if tally else None,
         timeline=_timeline(tally, s.allocated - tally.before) if tally else None,
         driver=driver_view(cr.index) if driver and torch.cuda.is_initialized() else None,
@@ -108,5 +109,5 @@ def _timeline(tally: Tally, offset: int) -> Timeline | None:
         seconds=tuple(tally.times[i] for i in keep),
         allocated=tuple(tally.totals[i] + offset for i in keep),
         phases=tuple(Phase.NAMES[tally.phases[i]] for i in keep),
-        source="tensor accounting",
+        source=TimelineSource.TENSOR_ACCOUNTING,
     )

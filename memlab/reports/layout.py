@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memlab.core.categories import DESCRIPTIONS, Category
+from memlab.core.choices import PeakScope, Source
 from memlab.reports.report import PEAK_SCOPES, MemoryReport
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
@@ -46,11 +47,11 @@ def layout(r: MemoryReport) -> Layout:
     parts = ["memlab", r.device]
     if r.label:
         parts.append(r.label)
-    if r.source != "estimate":  # a prediction's run time is the meta run's, not a GPU's
+    if r.source != Source.ESTIMATE:  # a prediction's run time is the meta run's, not a GPU's
         parts.append(fmt_seconds(r.seconds))
-    if r.source == "cuda-allocator":
+    if r.source == Source.CUDA_ALLOCATOR:
         subtitle = "CUDA caching allocator"
-    elif r.source == "estimate":
+    elif r.source == Source.ESTIMATE:
         subtitle = "PREDICTED: a meta-device run replayed through a model of the CUDA allocator"
     else:
         subtitle = "tensor accounting (exact bytes of tensor storages memlab saw)"
@@ -64,7 +65,7 @@ def layout(r: MemoryReport) -> Layout:
             if p or e:
                 cats.append(CategoryRow(c, p, e, DESCRIPTIONS[c]))
     notes = list(r.notes)
-    if r.peak_scope != "region":
+    if r.peak_scope != PeakScope.REGION:
         notes.append(f"peak: {PEAK_SCOPES[r.peak_scope]}")
     if r.alloc_retries:
         notes.append(

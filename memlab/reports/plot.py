@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
+from memlab.core.choices import Source
 from memlab.reports.units import mib
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     for phase, colour in _PHASE_COLOURS.items():
         if phase in tl.phases:
             ax.axvspan(0, 0, color=colour, label=phase)
-    if r.source == "estimate":  # the predicted step ran on the meta device, not a GPU
+    if r.source == Source.ESTIMATE:  # the predicted step ran on the meta device, not a GPU
         ax.set_xlabel("progress through the step (seconds of its meta-device run, not GPU time)")
     else:
         ax.set_xlabel("seconds since the region started")

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
+from memlab.core.choices import PeakScope, Source, TimelineSource
 from memlab.core.cuda import DriverView
 from memlab.reports.protocol import Result
 
@@ -17,8 +18,8 @@ if TYPE_CHECKING:
 
 #: What ``peak_scope`` means.
 PEAK_SCOPES = {
-    "region": "the highest value inside the region",
-    "since-reset": "the highest value since the allocator's peak counter was last reset "
+    PeakScope.REGION: "the highest value inside the region",
+    PeakScope.SINCE_RESET: "the highest value since the allocator's peak counter was last reset "
     "(--no-reset: memlab left it alone), so it may predate the region",
 }
 
@@ -51,7 +52,10 @@ class Timeline:
     seconds: tuple[float, ...]
     allocated: tuple[int, ...]
     phases: tuple[str, ...]
-    source: str
+    source: TimelineSource
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", TimelineSource.parse("source", self.source))
 
     def __len__(self) -> int:
         return len(self.seconds)
@@ -61,7 +65,7 @@ class Timeline:
             "seconds": list(self.seconds),
             "allocated": list(self.allocated),
             "phases": list(self.phases),
-            "source": self.source,
+            "source": str(self.source),
         }
 
 
@@ -78,7 +82,7 @@ class MemoryReport(Result):
     css = "memlab-report"
 
     device: str
-    source: str
+    source: Source
     allocated_before: int
     allocated_after: int
     peak_allocated: int
@@ -91,12 +95,16 @@ class MemoryReport(Result):
     active_after: int | None = None
     alloc_retries: int | None = None
     ooms: int | None = None
-    peak_scope: str = "region"
+    peak_scope: PeakScope = PeakScope.REGION
     breakdown: Breakdown | None = None
     timeline: Timeline | None = None
     driver: DriverView | None = None
     raised: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", Source.parse("source", self.source))
+        object.__setattr__(self, "peak_scope", PeakScope.parse("peak_scope", self.peak_scope))
 
     @property
     def allocated_delta(self) -> int:
@@ -111,14 +119,14 @@ class MemoryReport(Result):
         """Plain data: every memory figure is an int in bytes."""
         d: dict[str, Any] = {
             "device": self.device,
-            "source": self.source,
+            "source": str(self.source),
             "label": self.label,
             "allocated_before": self.allocated_before,
             "allocated_after": self.allocated_after,
             "allocated_delta": self.allocated_delta,
             "peak_allocated": self.peak_allocated,
             "peak_delta": self.peak_delta,
-            "peak_scope": self.peak_scope,
+            "peak_scope": str(self.peak_scope),
             "reserved_before": self.reserved_before,
             "reserved_after": self.reserved_after,
             "peak_reserved": self.peak_reserved,
