@@ -248,21 +248,33 @@ class Accountant:
                     self.mark(value, Category.OPTIMIZER_STATE)
 
     def watch(self, objects: Iterable[Any]) -> None:
-        """Learn the roles of the storages behind modules, optimizers and tensors."""
+        """Learn the roles of the storages behind modules, optimizers and tensors. An object
+        that raises when looked at (a module whose parameters() fails, a tensor subclass that
+        refuses its storage) is skipped and counted in the report's notes."""
+        skipped = 0
         for obj in objects:
-            if isinstance(obj, torch.nn.Module):
-                self.watch_module(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                self.watch_optimizer(obj)
-            elif isinstance(obj, torch.Tensor):
-                st = storage_of(obj)
-                if st is None:
-                    continue
-                self.ledger.existing(obj, st)
-                if obj.requires_grad and obj.is_leaf:
-                    self._remember_leaf(obj)
-                    if obj.grad is not None:
-                        self.mark(obj.grad, Category.GRADIENT)
+            try:
+                self._watch_one(obj)
+            except Exception:
+                skipped += 1
+        if skipped and not any(e.startswith("skipped") for e in self.errors):
+            self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
+
+    def _watch_one(self, obj: Any) -> None:
+        kind = type(obj)  # never obj.__class__: a proxy's may raise
+        if issubclass(kind, torch.nn.Module):
+            self.watch_module(obj)
+        elif issubclass(kind, torch.optim.Optimizer):
+            self.watch_optimizer(obj)
+        elif issubclass(kind, torch.Tensor):
+            st = storage_of(obj)
+            if st is None:
+                return
+            self.ledger.existing(obj, st)
+            if obj.requires_grad and obj.is_leaf:
+                self._remember_leaf(obj)
+                if obj.grad is not None:
+                    self.mark(obj.grad, Category.GRADIENT)
 
     def finish(self) -> None:
         """Last look at roles before the report: gradients and optimizer states now alive."""

@@ -43,14 +43,15 @@ def watchable(ns: dict[str, Any], hidden: Container[str] = ()) -> list[Any]:
     (``_i42``), so this runs over thousands of names: the common case costs one isinstance."""
     found: list[Any] = []
     for name, value in list(ns.items()):
-        if type(value) in _SKIP:  # IPython's input history is thousands of strings
+        kind = type(value)  # type(), never isinstance: a proxy's __class__ may raise
+        if kind in _SKIP:  # IPython's input history is thousands of strings
             continue
-        if isinstance(value, _WATCHED):
+        if issubclass(kind, _WATCHED):
             found.append(value)
-        elif type(value) in _CONTAINERS and name[:1] != "_" and name not in hidden:
-            items = value.values() if type(value) is dict else value
+        elif kind in _CONTAINERS and name[:1] != "_" and name not in hidden:
+            items = value.values() if kind is dict else value
             if len(items) <= MAX_SCAN:
-                found.extend(v for v in items if isinstance(v, _WATCHED))
+                found.extend(v for v in items if issubclass(type(v), _WATCHED))
     return found
 
 
