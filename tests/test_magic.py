@@ -56,7 +56,8 @@ def test_exception_shows_report_then_traceback_at_the_cells_line(ip: Any, capsys
 def test_keyboard_interrupt_reports_and_the_shell_lives(ip: Any) -> None:
     r = run(ip, "%%gpumem\nbefore = torch.empty(10)\nraise KeyboardInterrupt")
     assert isinstance(r.error_in_exec, KeyboardInterrupt)
-    assert "raised KeyboardInterrupt" in ip.rec.reports()[0]
+    assert "INTERRUPTED" in ip.rec.reports()[0]
+    assert "interrupted (KeyboardInterrupt): figures cover the region" in ip.rec.reports()[0]
     assert "before" in ip.user_ns
     assert run(ip, "%%gpumem -q\nafter = 1").success and ip.user_ns["after"] == 1
 

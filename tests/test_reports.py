@@ -120,7 +120,7 @@ def test_notes_explain_what_the_numbers_mean() -> None:
     assert "since the allocator's peak counter was last reset" in text
     assert "1 allocation retry" in text
     assert "this process 2.54 GiB" in text and "CUDA context" in text
-    assert "raised KeyboardInterrupt" in str(cpu_report())
+    assert "interrupted (KeyboardInterrupt): figures cover the region" in str(cpu_report())
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_warmed = False
+_thread: threading.Thread | None = None
 
 
 def _first_mode() -> None:
@@ -36,9 +36,8 @@ def warm_up() -> None:
     frame that imports it), and a frame keeps its function's locals until Python's collector
     runs: a model built later in the same function would stay alive after it returns. So the
     import runs on a thread of its own, whose stack holds nothing of the caller's."""
-    global _warmed
-    if not _warmed:
-        thread = threading.Thread(target=_first_mode, name="memlab-warm-up")
-        thread.start()
-        thread.join()
-        _warmed = True
+    global _thread
+    if _thread is None:  # one thread, ever: a Ctrl-C while waiting leaves it to finish alone
+        _thread = threading.Thread(target=_first_mode, name="memlab-warm-up", daemon=True)
+        _thread.start()
+    _thread.join()

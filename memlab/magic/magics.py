@@ -67,6 +67,11 @@ def one_line(r: MemoryReport, cell: int | None = None) -> str:
         f"memlab {where}{r.device}: allocated {fmt_bytes(r.allocated_before)} → "
         f"{fmt_bytes(r.allocated_after)} ({fmt_bytes(r.allocated_delta, signed=True)}), "
         f"peak {fmt_bytes(r.peak_delta, signed=True)} over before, {fmt_seconds(r.seconds)}"
+        + (
+            f" · {'interrupted' if r.raised == 'KeyboardInterrupt' else 'raised ' + r.raised}"
+            if r.raised
+            else ""
+        )
     )
 
 
@@ -137,7 +142,7 @@ class GpumemMagics(Magics):
         try:
             reports = region.reports
         except RuntimeError as e:
-            print(f"memlab: no report for this cell ({e.__cause__ or e}).")
+            print(f"memlab: no report for this cell: {e.__cause__ or e}.")
             return
         for r in reports:
             self.history.add(cell_number(self.sh), r)

@@ -1,13 +1,19 @@
 """The user's traceback without memlab in it: what a cell raises under ``%%gpumem`` shows the
-cell's own lines and the libraries it called, as it would without the magic."""
+cell's own lines and the code it called, as it would without the magic."""
 
 from __future__ import annotations
 
 import itertools
+import sysconfig
 from pathlib import Path
 from types import TracebackType
 
 _MEMLAB = str(Path(__file__).parents[1])  # the memlab package
+#: Where library code lives (the standard library, installed packages): frames there that
+#: memlab called (a thread it waited for, the op its dispatch mode ran) are not the user's.
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 #: PyTorch's own frames between an op and a dispatch mode: there only because memlab's mode is.
 _PLUMBING = tuple(
     str(Path(*parts))
@@ -26,23 +32,30 @@ def _file(tb: TracebackType) -> str:
 
 
 def without_memlab(e: BaseException) -> BaseException:
-    """``e`` with memlab's frames taken out of its traceback, and PyTorch's dispatch plumbing
-    next to them. Returns ``e`` (changed in place, as ``with_traceback`` does)."""
+    """``e`` with memlab's frames taken out of its traceback, with the library frames memlab
+    called and PyTorch's dispatch plumbing that leads into memlab's mode. Returns ``e`` (changed
+    in place, as ``with_traceback`` does)."""
     entries: list[TracebackType] = []
     tb = e.__traceback__
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    drop = {i for i, t in enumerate(entries) if _file(t).startswith(_MEMLAB)}
+    drop: set[int] = set()
+    called_by_memlab = False
+    for i, t in enumerate(entries):
+        name = _file(t)
+        if name.startswith(_MEMLAB):
+            drop.add(i)
+            called_by_memlab = True
+        elif called_by_memlab and name.startswith(_LIBRARIES):
+            drop.add(i)
+        else:
+            called_by_memlab = False  # the user's code again (the cell, or what it called)
     if not drop:
         return e
-    grown = True
-    while grown:  # plumbing that leads into or out of a dropped frame goes too
-        grown = False
-        for i, t in enumerate(entries):
-            if i not in drop and _file(t).endswith(_PLUMBING) and {i - 1, i + 1} & drop:
-                drop.add(i)
-                grown = True
+    for i in range(len(entries) - 1, -1, -1):  # plumbing that leads into a dropped frame
+        if i not in drop and i + 1 in drop and _file(entries[i]).endswith(_PLUMBING):
+            drop.add(i)
     kept = [t for i, t in enumerate(entries) if i not in drop]
     for a, b in itertools.pairwise(kept):
         a.tb_next = b

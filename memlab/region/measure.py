@@ -156,6 +156,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def reports(self) -> Reports:
         if self._state in ("new", "open"):
             raise RuntimeError("The region is still open: read .report after the `with` block.")
+        if self._state == "failed":
+            raise RuntimeError("the region never started: setting it up was stopped or failed")
         if self._reports is None:
             raise RuntimeError("memlab could not build this report.") from self._build_error
         return self._reports

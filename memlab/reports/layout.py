@@ -49,6 +49,8 @@ def layout(r: MemoryReport) -> Layout:
         parts.append(r.label)
     if r.source != Source.ESTIMATE:  # a prediction's run time is the meta run's, not a GPU's
         parts.append(fmt_seconds(r.seconds))
+    if r.raised == "KeyboardInterrupt":
+        parts.append("INTERRUPTED")
     if r.source == Source.CUDA_ALLOCATOR:
         subtitle = "CUDA caching allocator"
     elif r.source == Source.ESTIMATE:
@@ -86,6 +88,8 @@ def layout(r: MemoryReport) -> Layout:
                 "libraries and other processes)"
             )
         notes.append(text)
-    if r.raised:
+    if r.raised == "KeyboardInterrupt":
+        notes.append("interrupted (KeyboardInterrupt): figures cover the region up to that point")
+    elif r.raised:
         notes.append(f"the region raised {r.raised}; figures cover it up to that point")
     return Layout(" · ".join(parts), subtitle, tuple(rows), tuple(cats), tuple(notes))
