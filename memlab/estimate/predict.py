@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from memlab.core.choices import Source, TimelineSource
@@ -40,7 +41,7 @@ from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
 from memlab.step.model import config_of
-from memlab.step.run import InputFn, LossFn, ModelFn
+from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 #: What an estimate cannot see, said in every estimate's notes.
 NOT_MODELLED = (
@@ -54,6 +55,7 @@ def estimate(
     loss_fn: LossFn | None = None,
     config: RunConfig | None = None,
     *,
+    step_fn: StepFn | None = None,
     gpu: str | GPU | int | None = "H100 80GB",
     workspace: int | None = None,
     cuda_kernels: bool = True,
@@ -62,9 +64,9 @@ def estimate(
 ) -> Estimate:
     """Predict one step of ``config`` on a GPU, without a GPU.
 
-    model_fn, input_fn, loss_fn: as for `memlab.whatif.run`; they run with ``meta`` as the default
-        device, and a device they name (``.to("cuda")``, ``device=...``) becomes ``meta`` too, so
-        code written for a GPU runs unchanged and allocates nothing.
+    model_fn, input_fn, loss_fn, step_fn: as for `memlab.whatif.run`; they run with ``meta`` as
+        the default device, and a device they name (``.to("cuda")``, ``device=...``) becomes
+        ``meta`` too, so code written for a GPU runs unchanged and allocates nothing.
     config: the step (``config.device`` is ignored; ``config.budget`` too: see `Estimate.fits`).
     gpu: a name from `memlab.estimate.GPUS` ("T4", "A100 80GB", "H100 80GB", ...), a size in
         bytes, or None. It sets the memory the simulated allocator may reserve and the cuBLAS
@@ -102,6 +104,9 @@ def estimate(
         with redirected():
             return input_fn(batch)
 
+    loss_on_meta = None if loss_fn is None else _on_meta(loss_fn)
+    step_on_meta = None if step_fn is None else _on_meta(step_fn)
+
     hooks = StepHooks(
         autocast=emulated, foreach=True, grad_scaler=False, on_measure=listener.measuring
     )
@@ -109,7 +114,14 @@ def estimate(
     ledger.attach(listener)
     try:
         with _cuda_like(cuda_kernels, workspaces.take):
-            result = run(model_on_meta, input_on_meta, loss_fn, config, hooks=hooks)
+            result = run(
+                model_on_meta,
+                input_on_meta,
+                loss_on_meta,
+                config,
+                step_fn=step_on_meta,
+                hooks=hooks,
+            )
     except (RuntimeError, NotImplementedError, WhatIfError) as e:
         cause = e.__cause__ if isinstance(e, WhatIfError) else e  # what the user's code raised
         if not isinstance(cause, (RuntimeError, NotImplementedError)) or "meta" not in str(cause):
@@ -129,6 +141,18 @@ def estimate(
         }
         found = dataclasses.replace(found, trace=stream)
     return found
+
+
+def _on_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, whose tensors go to ``meta`` wherever it puts them (a loss that names "cuda")."""
+    if not callable(fn):  # the step says what is wrong with it
+        return fn  # type: ignore[unreachable]
+
+    def call(*args: Any) -> Any:
+        with redirected():
+            return fn(*args)
+
+    return call
 
 
 @contextlib.contextmanager

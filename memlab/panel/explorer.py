@@ -22,7 +22,7 @@ from memlab.panel.views import bars, png, runs_table
 from memlab.reports.units import fmt_bytes
 from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig, RunResult, WhatIfError, run
 from memlab.step.model import resolve_device
-from memlab.step.run import InputFn, LossFn, ModelFn
+from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 T = TypeVar("T")
 MiB = 1024**2
@@ -33,15 +33,36 @@ CUSTOM = "custom size"
 
 
 class Explorer:
+    """The what-if panel: change AMP, checkpointing, no_grad, the batch size, accumulation and
+    the optimizer, press Run, and compare what each step peaks at and what it is made of;
+    "Largest batch that fits" searches the batch size under a budget; "simulate a GPU" predicts
+    for a GPU you do not have (`memlab.estimate`) instead of measuring here.
+
+    model_fn(): builds the model on the device to measure (a new one each run keeps runs apart).
+    input_fn(batch_size): one batch: a tensor, a tuple of arguments, or a dict of keyword
+        arguments (a Hugging Face batch).
+    loss_fn(output) or step_fn(model, batch): the loss, as for `memlab.whatif.run` (step_fn for
+        a loss that needs targets: your own forward and loss).
+    config: the controls' starting values (`memlab.whatif.RunConfig`).
+
+    >>> def batch(n):
+    ...     x = torch.randn(n, 512, device="cuda")
+    ...     return x, torch.randint(0, 10, (n,), device="cuda")
+    >>> memlab.Explorer(lambda: Net().to("cuda"), batch,
+    ...                 step_fn=lambda model, b: F.cross_entropy(model(b[0]), b[1]))
+    """
+
     def __init__(
         self,
         model_fn: ModelFn,
         input_fn: InputFn,
         loss_fn: LossFn | None = None,
         *,
+        step_fn: StepFn | None = None,
         config: RunConfig | None = None,
     ) -> None:
         self.model_fn, self.input_fn, self.loss_fn = model_fn, input_fn, loss_fn
+        self.step_fn = step_fn
         self.results: list[RunResult] = []
         c = config or RunConfig()
         self._base = c
@@ -168,8 +189,10 @@ class Explorer:
     def _step(self, config: RunConfig) -> RunResult:
         card = self.card
         if card is None:
-            return run(self.model_fn, self.input_fn, self.loss_fn, config)
-        e = estimate(self.model_fn, self.input_fn, self.loss_fn, config, gpu=card)
+            return run(self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn)
+        e = estimate(
+            self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn, gpu=card
+        )
         budget = config.budget or card.usable
         fits = e.fits(budget)
         error = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,8 @@ from memlab.step.model import (
     restored,
 )
 from memlab.step.result import RunResult
+from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
 
-ModelFn = Callable[[], nn.Module]
-InputFn = Callable[[int], Any]
-LossFn = Callable[[Any], torch.Tensor]
 Autocast = Callable[[torch.dtype], contextlib.AbstractContextManager[Any]]
 
 #: Warm-up steps tried again at most, while an fp16 scaler skips the optimizer's step.
@@ -66,10 +64,12 @@ def run(
     loss_fn: LossFn | None = None,
     config: RunConfig | None = None,
     *,
+    step_fn: StepFn | None = None,
     hooks: StepHooks | None = None,
     **settings: Any,
 ) -> RunResult:
-    """A warm-up step, then one measured step under ``config``.
+    """A warm-up step, then one measured step under ``config``: what the step's memory peaks
+    at, and what it is made of (parameters, gradients, optimizer state, activations, ...).
 
     model_fn(): the model, on the run's device. A new one each call keeps runs isolated; if it
         returns your existing model, memlab restores its weights, buffers, gradients, train/eval
@@ -79,15 +79,30 @@ def run(
     loss_fn(output): a scalar loss (default: the model's own ``loss`` where the output is a
         mapping that has one, as a Hugging Face model given labels returns; otherwise the mean
         square of the output's first tensor).
+    step_fn(model, batch): your own forward and loss, for a loss that needs targets: ``batch``
+        is what input_fn returned, as it is; return the scalar loss (in no_grad or
+        inference_mode, return the output). E.g. ``lambda model, b: F.cross_entropy(model(b[0]),
+        b[1])`` or, for a Hugging Face model, ``lambda model, b: model(**b).loss``. Give either
+        loss_fn or step_fn.
     hooks: how the step runs for a prediction (`StepHooks`; the estimator passes them).
     settings: RunConfig fields that override ``config`` (``run(m, x, batch_size=32)``).
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
 
-    >>> r = memlab.whatif.run(lambda: Net().cuda(), lambda b: torch.randn(b, 512, device="cuda"),
-    ...                       batch_size=64, amp="bf16")
+    >>> def batch(n):
+    ...     return torch.randn(n, 512, device="cuda"), torch.randint(0, 10, (n,), device="cuda")
+    >>> r = memlab.whatif.run(lambda: Net().cuda(), batch, batch_size=64, amp="bf16",
+    ...                       step_fn=lambda model, b: F.cross_entropy(model(b[0]), b[1]))
     >>> r.peak, r.report.breakdown.at_peak
     """
     config = config_of(config, settings)
+    if step_fn is not None and loss_fn is not None:
+        raise WhatIfError(
+            "give loss_fn or step_fn, not both: step_fn(model, batch) computes the loss itself."
+        )
+    if step_fn is not None and not callable(step_fn):
+        raise WhatIfError(
+            f"step_fn must be a function of (model, batch), not {type(step_fn).__name__}."
+        )
     hooks = hooks or StepHooks()
     device = resolve_device(config.device)
     # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and the import keeps
@@ -109,7 +124,8 @@ def run(
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
         amp = _autocast(config.amp, device, hooks.autocast)
-        step = functools.partial(_step, model, input_fn, loss_fn, config, device, opt, scaler, amp)
+        user = UserStep(model, input_fn, loss_fn, step_fn, device)
+        step = functools.partial(_step, user, config, opt, scaler, amp)
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
@@ -169,38 +185,36 @@ def _skipped(opt: torch.optim.Optimizer | None) -> bool:
 
 
 def _step(
-    model: nn.Module,
-    input_fn: InputFn,
-    loss_fn: LossFn | None,
+    user: UserStep,
     config: RunConfig,
-    device: torch.device,
     opt: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler | None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
     mark: Callable[[torch.Tensor], None],
 ) -> tuple[list[Any], list[int]]:
+    model, device = user.model, user.device
     if config.retention != Retention.OFF:  # evaluation with grad enabled, outputs kept
         model.eval()
         kept, series = [], []
         for _ in range(config.iterations):
             with autocast():
-                out = _forward(model, input_fn, config.batch_size, device, mark)
-            kept.append(out if config.retention == Retention.ATTACHED else _detach(out))
+                out = user.forward(config.batch_size, mark)
+            kept.append(out if config.retention == Retention.ATTACHED else detach(out))
             series.append(_allocated(device))
         return kept, series
     if config.mode != Mode.TRAIN:
         model.eval()
         grad = torch.no_grad() if config.mode == Mode.NO_GRAD else torch.inference_mode()
         with grad, autocast():
-            out = _forward(model, input_fn, config.batch_size, device, mark)
+            out = user.forward(config.batch_size, mark)
         return [out], []
     assert opt is not None
     model.train()
     micro = config.batch_size // config.accumulation
     for _ in range(config.accumulation):
         with autocast():
-            out = _forward(model, input_fn, micro, device, mark)
-            loss = loss_of(loss_fn, out) / config.accumulation
+            out = user.forward(micro, mark)
+            loss = user.loss(out) / config.accumulation
         if not loss.requires_grad:
             raise WhatIfError(
                 "The loss does not require grad, so backward has nothing to do: is the forward "
@@ -216,63 +230,6 @@ def _step(
         opt.step()
     opt.zero_grad(set_to_none=True)
     return [], []
-
-
-def _forward(
-    model: nn.Module,
-    input_fn: InputFn,
-    batch: int,
-    device: torch.device,
-    mark: Callable[[torch.Tensor], None],
-) -> Any:
-    """The model on input_fn(batch): a tuple is its arguments, a mapping its keyword arguments
-    (``{"input_ids": ..., "labels": ...}`` for a Hugging Face model), anything else the one
-    argument."""
-    value = call("input_fn", input_fn, batch)
-    args: tuple[Any, ...] = value if isinstance(value, tuple) else (value,)
-    kwargs: dict[str, Any] = {}
-    if isinstance(value, Mapping):
-        args, kwargs = (), dict(value)
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-    check_device("input_fn's result", tensors, device)
-    for t in tensors:
-        mark(t)
-    return model(*args, **kwargs)
-
-
-def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
-    """The step's loss: ``loss_fn(out)``, or the default (the model's own loss, else the mean
-    square of the output's first tensor)."""
-    if loss_fn is None:
-        if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
-            own = out.get("loss")
-            if isinstance(own, torch.Tensor) and own.numel() == 1:
-                return own  # the model computed its loss (it was given labels)
-            out = list(out.values())
-        first = out if isinstance(out, torch.Tensor) else None
-        if isinstance(out, (list, tuple)):
-            first = next((t for t in out if isinstance(t, torch.Tensor)), None)
-        if first is None:
-            raise WhatIfError(
-                f"The model's forward returned {type(out).__name__}, which holds no tensor to "
-                "train on: return the output from forward, or pass a loss_fn."
-            )
-        return first.float().pow(2).mean()
-    loss = call("loss_fn", loss_fn, out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise WhatIfError(
-            f"loss_fn must return a scalar tensor (e.g. end it with .mean()), not {shape}."
-        )
-    return loss
-
-
-def _detach(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, Mapping):
-        return {k: _detach(v) for k, v in out.items()}
-    return type(out)(_detach(o) for o in out) if isinstance(out, (list, tuple)) else out
 
 
 def _allocated(device: torch.device) -> int:

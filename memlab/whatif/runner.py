@@ -4,7 +4,8 @@ from memlab.core.warn import moved
 from memlab.step.config import AMP_DTYPES
 from memlab.step.model import blocks, resolve_device
 from memlab.step.result import RunResult
-from memlab.step.run import InputFn, LossFn, ModelFn, StepHooks, run
+from memlab.step.run import StepHooks, run
+from memlab.step.user import InputFn, LossFn, ModelFn
 
 moved("memlab.whatif.runner", "memlab.step (or memlab.whatif)")
 
