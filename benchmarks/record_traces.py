@@ -12,9 +12,10 @@ merging, ``empty_cache``). What is kept, as ``tests/data/trace-<case>.json.gz``:
 - ``segments``: the allocator's segments at the end, with their blocks' sizes;
 - the device, the torch version and the case's configuration.
 
-``tests/test_trace_replay.py`` replays every stored trace through `memlab.estimate.allocator`
-(it must make the same segment decisions and reach the same peaks) and predicts each ``run`` case
-with `memlab.estimate.estimate` on the CPU (it must land within the estimator's targets).
+The ``run`` cases are `memlab.examples.cases.RUNS`. ``tests/test_trace_replay.py`` replays every
+stored trace through `memlab.estimate.allocator` (it must make the same segment decisions and
+reach the same peaks) and predicts each ``run`` case with `memlab.estimate.estimate` on the CPU
+(it must land within the estimator's targets).
 
     python benchmarks/record_traces.py --out tests/data        # on a GPU machine
     python benchmarks/record_traces.py --dry-run               # anywhere: the cases run on meta
@@ -27,92 +28,21 @@ import gzip
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import memlab  # noqa: F401
 from memlab.core import _torch
-from memlab.estimate import GPU
-from memlab.estimate.gpus import matching
 from memlab.estimate.trace import compact, recorded
-from memlab.examples import GPT
-from memlab.step import RunConfig, StepHooks, run
+from memlab.examples.cases import RUNS
+from memlab.step import StepHooks, run
 
 MiB = 2**20
 FORMAT = "memlab-trace/1"
 
 
-class Tagger(nn.Module):
-    """A small LSTM over token ids: cuDNN's RNN kernels on a GPU."""
-
-    def __init__(self, vocab: int = 1000, width: int = 128) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.rnn = nn.LSTM(width, width, 1, batch_first=True)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.rnn(self.emb(ids))[0])
-        return out
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(4)])
-
-
-def _gpt() -> nn.Module:
-    torch.manual_seed(0)
-    return GPT(vocab=1000, ctx=128, width=128, layers=2)
-
-
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1),
-        nn.BatchNorm2d(64),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(64, 10),
-    )
-
-
-def _tagger() -> nn.Module:
-    torch.manual_seed(0)
-    return Tagger()
-
-
-def _rows(b: int) -> torch.Tensor:
-    return torch.randn(b, 1024, device="cuda")
-
-
-def _ids(b: int) -> torch.Tensor:
-    return torch.randint(0, 1000, (b, 128), device="cuda")
-
-
-def _images(b: int) -> torch.Tensor:
-    return torch.randn(b, 3, 64, 64, device="cuda")
-
-
-#: name → (model_fn, input_fn, configuration): what-if steps, small enough to store their traces.
-RUNS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor], RunConfig]] = {
-    "mlp-sgd": (_mlp, _rows, RunConfig(batch_size=256, optimizer="sgd")),
-    "mlp-adam-checkpoint": (_mlp, _rows, RunConfig(batch_size=256, checkpoint="auto")),
-    "mlp-no-grad": (_mlp, _rows, RunConfig(batch_size=256, mode="no_grad")),
-    "gpt-adam": (_gpt, _ids, RunConfig(batch_size=8)),
-    "gpt-adam-bf16": (_gpt, _ids, RunConfig(batch_size=8, amp="bf16")),
-    "gpt-adamw-fp16": (_gpt, _ids, RunConfig(batch_size=8, amp="fp16", optimizer="adamw")),
-    "cnn-adam": (_cnn, _images, RunConfig(batch_size=16)),
-    "lstm-sgd": (_tagger, _ids, RunConfig(batch_size=8, optimizer="sgd")),
-}
 CASES = [*RUNS, "rules"]
 
 
@@ -192,11 +122,6 @@ def record(case: str) -> dict[str, Any]:
         "stats": stats,
         **compact(snapshot),
     }
-
-
-def gpu_for(trace: dict[str, Any]) -> GPU:
-    """The estimator's GPU for the card a trace was recorded on."""
-    return matching(trace["device"], trace["memory"], int(trace["capability"].split(".")[0]))
 
 
 def dry_run() -> None:

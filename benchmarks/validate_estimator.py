@@ -1,5 +1,6 @@
 """The estimator against a real GPU: six models from torch.nn (and four from torchvision and
-transformers configurations, where those are installed) in seven configurations each.
+transformers configurations, where those are installed) in seven configurations each: the cases
+of `memlab.examples.cases`.
 
 On a machine with CUDA, each case runs twice: measured by `memlab.whatif.run` on the GPU, in a
 fresh process so the allocator starts empty (a warm-up step, then the measured step, whose peak
@@ -32,11 +33,9 @@ import concurrent.futures
 import gzip
 import itertools
 import json
-import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,8 @@ from memlab.estimate import GPU, estimate
 from memlab.estimate.gpus import matching
 from memlab.estimate.redirect import redirected
 from memlab.estimate.trace import compact, recorded
-from memlab.examples import GPT, resnet18
+from memlab.examples.cases import CONFIGS, Case, case_file, installed
+from memlab.examples.cases import MODELS as TORCH_NN_MODELS
 from memlab.step import RunConfig, StepHooks, run
 from memlab.step.model import optimizer
 from memlab.step.run import loss_of
@@ -60,141 +60,14 @@ from memlab.step.run import loss_of
 MiB = 2**20
 
 
-# -- the models: built from torch.nn only, no weights downloaded --------------------------------
-class ViT(nn.Module):
-    def __init__(self, size: int = 224, patch: int = 16, width: int = 384, layers: int = 6):
-        super().__init__()
-        self.patches = nn.Conv2d(3, width, patch, stride=patch)
-        n = (size // patch) ** 2
-        self.pos = nn.Parameter(torch.zeros(1, n, width))
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(
-                width, width // 64, 4 * width, batch_first=True, norm_first=True, activation="gelu"
-            )
-            for _ in range(layers)
-        )
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 1000)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.patches(x).flatten(2).transpose(1, 2) + self.pos
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(self.norm(h).mean(1))
-        return out
-
-
-class Encoder(nn.Module):
-    """A BERT-base-shaped encoder (fewer layers)."""
-
-    def __init__(self, vocab: int = 30522, ctx: int = 256, width: int = 768, layers: int = 4):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(ctx, width)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, 12, 4 * width, batch_first=True)
-            for _ in range(layers)
-        )
-        self.head = nn.Linear(width, 2)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(h[:, 0])
-        return out
-
-
-class LSTMTagger(nn.Module):
-    def __init__(self, vocab: int = 10000, width: int = 512, layers: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.rnn = nn.LSTM(width, width, layers, batch_first=True)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.rnn(self.emb(ids))[0])
-        return out
-
-
-def _ids(vocab: int, length: int) -> Callable[[int], torch.Tensor]:
-    return lambda b: torch.randint(0, vocab, (b, length), device="cuda")
-
-
-def _images(size: int) -> Callable[[int], torch.Tensor]:
-    return lambda b: torch.randn(b, 3, size, size, device="cuda")
-
-
-def _rows(width: int) -> Callable[[int], torch.Tensor]:
-    return lambda b: torch.randn(b, width, device="cuda")
-
-
-Checkpoint = str | tuple[str, ...] | None
-#: name → (model_fn, input_fn, batch, what to checkpoint: "auto", module paths, or None for a
-#: model without blocks worth checkpointing)
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], int, Checkpoint]] = {
-    "mlp": (
-        lambda: nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU()) for _ in range(8)]),
-        _rows(2048),
-        512,
-        "auto",
-    ),
-    # the BasicBlocks of memlab.examples.resnet18 sit at 4..11 of its Sequential
-    "resnet18": (resnet18, _images(224), 32, tuple(str(i) for i in range(4, 12))),
-    "vit-s/16": (ViT, _images(224), 32, "auto"),
-    "encoder (bert-base width)": (Encoder, _ids(30522, 256), 16, "auto"),
-    "decoder (gpt-2 small)": (lambda: GPT(vocab=50257, ctx=512), _ids(50257, 512), 4, "auto"),
-    "lstm": (LSTMTagger, _ids(10000, 128), 32, None),
-}
-
-
-def _optional() -> None:
-    """Models from torchvision and transformers (configurations only, no weights), where those
-    are installed: the GPU machine has both. Added when needed, not at import: the child
-    process of a torch.nn case then does not import them."""
-    try:
-        import torchvision.models as tv
-    except Exception:  # missing, or built for another torch
-        tv = None
-    if tv is not None:
-        MODELS["resnet-50 (torchvision)"] = (tv.resnet50, _images(224), 32, "auto")
-        MODELS["vit-b/16 (torchvision)"] = (tv.vit_b_16, _images(224), 32, "auto")
-    try:
-        import transformers as hf
-    except Exception:
-        hf = None
-    if hf is not None:
-
-        def gpt2() -> nn.Module:
-            return hf.GPT2LMHeadModel(hf.GPT2Config(attn_implementation="sdpa"))
-
-        def bert() -> nn.Module:
-            return hf.BertForSequenceClassification(hf.BertConfig(attn_implementation="sdpa"))
-
-        MODELS["gpt-2 small (transformers)"] = (gpt2, _ids(50257, 512), 4, "auto")
-        MODELS["bert-base (transformers)"] = (bert, _ids(30522, 256), 16, "auto")
-
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "fp32 sgd": {"optimizer": "sgd"},
-    "fp32 adam": {"optimizer": "adam"},
-    "amp fp16 adam": {"optimizer": "adam", "amp": "fp16"},
-    "amp bf16 adam": {"optimizer": "adam", "amp": "bf16"},
-    "checkpoint adam": {"optimizer": "adam", "checkpoint": "auto"},
-    "no_grad": {"mode": "no_grad"},
-    "eval with grad": {"mode": "train", "retention": "attached", "iterations": 1},
-}
+#: The cases (memlab.examples.cases): the torch.nn models, with torchvision's and transformers'
+#: added in main() where those are installed (the child process of a torch.nn case skips them).
+MODELS: dict[str, Case] = dict(TORCH_NN_MODELS)
 
 
 def config(model: str, name: str) -> RunConfig | None:
     """The case's configuration, or None where it does not apply (checkpointing an LSTM)."""
-    _, _, batch, checkpoint = MODELS[model]
-    changes = dict(CONFIGS[name])
-    if "checkpoint" in changes:
-        if checkpoint is None:
-            return None
-        changes["checkpoint"] = checkpoint
-    return RunConfig(batch_size=batch, **changes)
+    return MODELS[model].config(name)
 
 
 def this_gpu() -> GPU:
@@ -235,11 +108,6 @@ def measure(model: str, name: str, trace: Path | None = None) -> dict[str, Any]:
         }
         trace.write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
     return got
-
-
-def case_file(model: str, name: str) -> str:
-    """A file name for the case: letters, digits, '-' and '.' only."""
-    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{model} {name}").strip("-")
 
 
 def one(model: str, name: str, dry: bool, traces: Path | None) -> dict[str, Any]:
@@ -357,7 +225,7 @@ def main() -> None:
     parser.add_argument("--gpu", help=argparse.SUPPRESS)  # --one --repredict: the GPU's name
     args = parser.parse_args()
     if not args.one or args.one[0] not in MODELS:
-        _optional()
+        MODELS.update(installed())
     traces = Path(args.traces) if args.traces else None
     if args.one and args.gpu:  # the child process of one case predicted again
         print(json.dumps(predict(*args.one, args.gpu)))

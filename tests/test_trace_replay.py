@@ -5,25 +5,26 @@ allocator's documented rules (2 MiB segments for small requests, 20 MiB for requ
 10 MiB, larger ones rounded up to 2 MiB; best-fit reuse of freed blocks; segments released only
 by empty_cache).
 
-Real traces, recorded on a GPU by ``benchmarks/record_traces.py``, are stored in
-``tests/data/trace-*.json.gz``; each is replayed through the allocator model, and each recorded
-training step is predicted by the estimator, here on the CPU, against the real allocator's peaks.
+Real traces, recorded on a GPU by ``benchmarks/record_traces.py`` from the cases of
+`memlab.examples.cases`, are stored in ``tests/data/trace-*.json.gz``; each is replayed through
+the allocator model, and each recorded training step is predicted by the estimator, here on the
+CPU, against the real allocator's peaks.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import statistics
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from memlab.estimate import estimate
+from memlab.estimate import GPU, estimate
+from memlab.estimate.gpus import matching
 from memlab.estimate.trace import compare, events_of, load, read, replay, synthetic
+from memlab.examples.cases import MODELS, RUNS, case_file, config
 
 MiB = 2**20
 
@@ -110,19 +111,9 @@ DATA = Path(__file__).parent / "data"
 RECORDED = sorted(DATA.glob("trace-*.json.gz"))
 
 
-def script(name: str) -> ModuleType:
-    """benchmarks/NAME.py, loaded as a module."""
-    path = Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def recorder() -> ModuleType:
-    """benchmarks/record_traces.py, which defines the recorded cases."""
-    return script("record_traces")
+def gpu_for(trace: dict[str, Any]) -> GPU:
+    """The estimator's GPU for the card a trace was recorded on."""
+    return matching(trace["device"], trace["memory"], int(trace["capability"].split(".")[0]))
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.name for p in RECORDED])
@@ -149,10 +140,9 @@ RUN_TRACES = [p for p in RECORDED if p.name != "trace-rules.json.gz"]
 def predicted(path: Path) -> tuple[float, float, str]:
     """The estimator, run here on the CPU, against one recorded step: the relative errors of its
     peak allocated and peak reserved, and where its allocation stream parts from the GPU's."""
-    cases = recorder()
     trace: dict[str, Any] = read(path)
-    model_fn, input_fn, config = cases.RUNS[trace["case"]]
-    e = estimate(model_fn, input_fn, None, config, gpu=cases.gpu_for(trace), trace=True)
+    model_fn, input_fn, step = RUNS[trace["case"]]
+    e = estimate(model_fn, input_fn, None, step, gpu=gpu_for(trace), trace=True)
     stats = trace["stats"]
     allocated = (e.peak_allocated - stats["peak_allocated"]) / stats["peak_allocated"]
     reserved = (e.peak_reserved - stats["peak_reserved"]) / stats["peak_reserved"]
@@ -246,11 +236,8 @@ EMULATED = [
 def test_the_estimator_predicts_validation_runs_through_the_emulated_kernels(
     model: str, case: str
 ) -> None:
-    validation = script("validate_estimator")
-    trace: dict[str, Any] = read(
-        DATA / "validation" / f"{validation.case_file(model, case)}.json.gz"
-    )
-    model_fn, input_fn, _, _ = validation.MODELS[model]
-    e = estimate(model_fn, input_fn, None, validation.config(model, case), gpu="H100 80GB")
+    trace: dict[str, Any] = read(DATA / "validation" / f"{case_file(model, case)}.json.gz")
+    model_fn, input_fn, _, _ = MODELS[model]
+    e = estimate(model_fn, input_fn, None, config(model, case), gpu="H100 80GB")
     real = trace["stats"]["peak_allocated"]
     assert abs(e.peak_allocated - real) <= 0.01 * real, (e.peak_allocated, real)

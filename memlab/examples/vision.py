@@ -1,7 +1,9 @@
-"""Models for notebooks and benchmarks, built from torch.nn alone (no downloads, no torchvision):
-the ResNet-18 and ResNet-50 layouts, a GPT-2-small-sized decoder, and a small MLP."""
+"""Image models from torch.nn: the ResNet-18 and ResNet-50 layouts, a ViT-S/16-sized vision
+transformer and a small CNN; torchvision's own models where torchvision is installed."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ class BasicBlock(nn.Module):
 
 
 def resnet18(num_classes: int = 1000) -> nn.Module:
-    """The ResNet-18 layout: 11.7 M parameters."""
+    """The ResNet-18 layout: 11.7 M parameters. Its BasicBlocks sit at 4..11 of the Sequential."""
     layers = _stem()
     cin = 64
     for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
@@ -47,10 +49,6 @@ def resnet18(num_classes: int = 1000) -> nn.Module:
         cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
     return nn.Sequential(*layers)
-
-
-def mlp(width: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
 
 class Bottleneck(nn.Module):
@@ -83,33 +81,53 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-class GPT(nn.Module):
-    """A GPT-2-small-sized decoder from torch.nn: 12 layers, width 768, 12 heads."""
+class ViT(nn.Module):
+    """A vision transformer, ViT-S/16-sized by default: 16x16 patches, width 384, pre-norm."""
 
-    def __init__(self, vocab: int = 50257, ctx: int = 1024, width: int = 768, layers: int = 12):
+    def __init__(self, size: int = 224, patch: int = 16, width: int = 384, layers: int = 6):
         super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(ctx, width)
-        self.layers = nn.ModuleList(
+        self.patches = nn.Conv2d(3, width, patch, stride=patch)
+        n = (size // patch) ** 2
+        self.pos = nn.Parameter(torch.zeros(1, n, width))
+        self.blocks = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                width,
-                width // 64,
-                4 * width,
-                dropout=0.1,
-                activation="gelu",
-                batch_first=True,
-                norm_first=True,
+                width, width // 64, 4 * width, batch_first=True, norm_first=True, activation="gelu"
             )
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.head = nn.Linear(width, 1000)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        n = idx.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(n, device=idx.device)
-        h = self.tok(idx) + self.pos(torch.arange(n, device=idx.device))
-        for layer in self.layers:
-            h = layer(h, src_mask=mask, is_causal=True)
-        out: torch.Tensor = self.head(self.norm(h))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patches(x).flatten(2).transpose(1, 2) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(self.norm(h).mean(1))
         return out
+
+
+def small_cnn(classes: int = 10) -> nn.Module:
+    """Two convolutions with batch norm, pooled into a linear head: 20 K parameters."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, classes),
+    )
+
+
+def torchvision_resnet50() -> nn.Module:
+    """torchvision's ResNet-50, untrained (no download). Needs torchvision, imported here."""
+    model: nn.Module = importlib.import_module("torchvision.models").resnet50()
+    return model
+
+
+def torchvision_vit_b_16() -> nn.Module:
+    """torchvision's ViT-B/16, untrained (no download). Needs torchvision, imported here."""
+    model: nn.Module = importlib.import_module("torchvision.models").vit_b_16()
+    return model
