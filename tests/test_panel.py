@@ -32,7 +32,8 @@ def test_runs_add_rows_and_redraw_the_charts() -> None:
     first = ex.run()
     assert first is not None and first.peak == run(stack, inputs, None, BASE).peak
     ex.checkpoint.value = "auto"
-    ex.run_button.click()  # the button takes the same path
+    ex.run_button.click()  # the button takes the same path, on a thread of its own
+    ex.wait()
     assert [r.config.describe() for r in ex.results] == [
         "train, batch 64, adam",
         "train, checkpoint auto, batch 64, adam",
@@ -67,6 +68,7 @@ def test_errors_show_in_one_line_and_the_panel_keeps_working() -> None:
     assert ex.run() is not None and len(ex.results) == 1
     broken = memlab.Explorer(lambda: 1 / 0, inputs, config=BASE)
     broken.run_button.click()
+    broken.wait()
     assert "model_fn raised ZeroDivisionError" in broken.status.value and not broken.results
 
 
@@ -173,7 +175,7 @@ def test_predictions_are_compared_with_predictions_and_measurements_with_measure
 def test_simulate_a_custom_size_of_gpu() -> None:
     from memlab.estimate import estimate
     from memlab.estimate.gpus import HOPPER_WORKSPACE
-    from memlab.panel.explorer import CUSTOM
+    from memlab.panel.controls import CUSTOM
 
     ex = explorer()
     ex.optimizer.value = "sgd"
@@ -192,3 +194,57 @@ def test_simulate_a_custom_size_of_gpu() -> None:
     card = ex.card
     assert best is not None and card is not None and card.usable == 512 * 1024**2
     assert estimate(stack, inputs, None, ex.config.with_(batch_size=best), gpu=card).fits()
+
+
+def test_a_simulated_gpu_sets_the_budget_unless_one_was_typed() -> None:
+    from memlab.estimate import GPUS
+
+    ex = explorer()
+    assert "limit: none" in ex.limit.value
+    ex.simulate.value = "T4"
+    usable = GPUS["T4"].usable
+    assert ex.budget.value == round(usable / 1024**2, 1)  # rounded for people
+    assert "the simulated T4" in ex.limit.value
+    ex.simulate.value = "L4"  # follows the card while the user has not typed a budget
+    assert ex.budget.value == round(GPUS["L4"].usable / 1024**2, 1)
+    ex.simulate.value = ex.simulate.options[0]
+    assert ex.budget.value == 0 and "limit: none" in ex.limit.value
+    ex.budget.value = 98.8  # typed: it wins over a card chosen later
+    ex.simulate.value = "T4"
+    assert ex.budget.value == 98.8 and "your budget" in ex.limit.value
+    assert ex.config.budget == int(98.8 * 1024**2)
+
+
+def test_the_search_shows_progress_and_cancel_keeps_the_best_so_far() -> None:
+    import time
+
+    def slow() -> torch.nn.Module:
+        time.sleep(0.15)  # each step takes a while
+        return stack()
+
+    ex = memlab.Explorer(slow, inputs, config=BASE)
+    ex.budget.value = 64.0
+    assert ex.cancel_button.layout.display == "none"
+    ex.fit_button.click()  # on a thread: the kernel stays free, the controls wait
+    deadline = time.time() + 20
+    while "trying" not in ex.status.value and time.time() < deadline:
+        time.sleep(0.05)
+    assert "largest batch under 64.0 MiB: trying" in ex.status.value
+    assert ex.run_button.disabled and ex.batch_size.disabled
+    assert ex.cancel_button.layout.display == ""
+    while "fits: " not in ex.status.value and time.time() < deadline:
+        time.sleep(0.05)
+    ex.cancel_button.click()
+    ex.wait(30)
+    assert "cancelled: the largest found so far" in ex.status.value
+    assert not ex.run_button.disabled and ex.cancel_button.layout.display == "none"
+    assert ex.batch_size.value >= 1
+
+
+def test_no_empty_image_is_shown() -> None:
+    ex = explorer()
+    assert ex.chart.layout.display == "none" and ex.timeline.layout.display == "none"
+    ex.run()
+    assert ex.chart.layout.display == "" and ex.chart.value
+    ex.clear()
+    assert ex.chart.layout.display == "none" and ex.timeline.layout.display == "none"

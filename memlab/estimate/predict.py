@@ -37,6 +37,7 @@ from memlab.estimate.redirect import (
 )
 from memlab.estimate.result import Estimate
 from memlab.region import track
+from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
@@ -208,23 +209,7 @@ def _prediction(
     ]
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
-    timeline = tensors.timeline
-    if timeline is not None and len(timeline):
-        # the allocator model's allocated bytes at each point of the accounting's timeline
-        origin = replay.ended - tensors.seconds  # when the measured region started
-        stamps = replay.stamps[start:end]
-        values = [a for a, _ in trace[start:end]]
-
-        def at(seconds: float) -> int:
-            i = bisect.bisect_right(stamps, origin + seconds) - 1
-            return values[i] if i >= 0 else before[0]
-
-        timeline = Timeline(
-            seconds=timeline.seconds,
-            allocated=tuple(at(x) for x in timeline.seconds),
-            phases=timeline.phases,
-            source=TimelineSource.ALLOCATOR_MODEL,
-        )
+    timeline = _predicted_timeline(tensors, replay, start, end)
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
         source=Source.ESTIMATE,
@@ -248,6 +233,31 @@ def _prediction(
         oom=replay.failed is not None,
         fsdp_units=fsdp_units,
         workspaces=workspaces,
+    )
+
+
+def _predicted_timeline(
+    tensors: MemoryReport, replay: AllocatorListener, start: int, end: int | None
+) -> Timeline | None:
+    """The allocator model's allocated bytes after each event of the measured step (thinned,
+    the peak kept), with the phase the accounting's timeline had at that moment."""
+    accounted = tensors.timeline
+    if accounted is None or not len(accounted) or end is None or end <= start:
+        return None
+    origin = replay.ended - tensors.seconds  # when the measured region started
+    seconds = [max(0.0, s - origin) for s in replay.stamps[start:end]]
+    values = [a for a, _ in replay.trace[start:end]]
+
+    def phase(at: float) -> str:
+        i = bisect.bisect_right(accounted.seconds, at) - 1
+        return accounted.phases[max(i, 0)]
+
+    keep = thin(values)
+    return Timeline(
+        seconds=tuple(seconds[i] for i in keep),
+        allocated=tuple(values[i] for i in keep),
+        phases=tuple(phase(seconds[i]) for i in keep),
+        source=TimelineSource.ALLOCATOR_MODEL,
     )
 
 

@@ -17,22 +17,22 @@ from memlab.core import cuda
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
+from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
+from memlab.panel.limit import MUTED, BudgetLimit
 from memlab.panel.search import MAX_BATCH, largest_batch
 from memlab.panel.views import bars, png, runs_table
+from memlab.panel.work import Work
+from memlab.reports.frame import GROW
 from memlab.reports.units import fmt_bytes
-from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig, RunResult, WhatIfError, run
+from memlab.step import RunConfig, RunResult, WhatIfError, run
 from memlab.step.model import resolve_device
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 T = TypeVar("T")
 MiB = 1024**2
-#: The "simulate a GPU" choice that measures on this machine instead.
-HERE = "no: measure here"
-#: The "simulate a GPU" choice of a card of any size (the "custom GPU (GiB)" field).
-CUSTOM = "custom size"
 
 
-class Explorer:
+class Explorer(BudgetLimit):
     """The what-if panel: change AMP, checkpointing, no_grad, the batch size, accumulation and
     the optimizer, press Run, and compare what each step peaks at and what it is made of;
     "Largest batch that fits" searches the batch size under a budget; "simulate a GPU" predicts
@@ -52,6 +52,27 @@ class Explorer:
     ...                 step_fn=lambda model, b: F.cross_entropy(model(b[0]), b[1]))
     """
 
+    # the controls (memlab.panel.controls), reachable for programs and tests
+    amp: w.ToggleButtons
+    checkpoint: w.ToggleButtons
+    mode: w.ToggleButtons
+    retention: w.ToggleButtons
+    batch_size: w.BoundedIntText
+    accumulation: w.BoundedIntText
+    optimizer: w.Dropdown
+    budget: w.BoundedFloatText
+    simulate: w.Dropdown
+    custom_gib: w.BoundedFloatText
+    limit: w.HTML
+    run_button: w.Button
+    fit_button: w.Button
+    clear_button: w.Button
+    cancel_button: w.Button
+    status: w.HTML
+    table: w.HTML
+    chart: w.Image
+    timeline: w.Image
+
     def __init__(
         self,
         model_fn: ModelFn,
@@ -66,85 +87,9 @@ class Explorer:
         self.results: list[RunResult] = []
         c = config or RunConfig()
         self._base = c
-        style = {"description_width": "110px"}
-        self.amp = w.ToggleButtons(
-            options=Amp.values(), value=str(c.amp), description="AMP", style=style
-        )
-        self.checkpoint = w.ToggleButtons(
-            options=("off", "auto"),
-            value=c.checkpoint if isinstance(c.checkpoint, str) else "off",
-            description="checkpointing",
-            style=style,
-        )
-        self.mode = w.ToggleButtons(
-            options=Mode.values(), value=str(c.mode), description="mode", style=style
-        )
-        self.retention = w.ToggleButtons(
-            options=Retention.values(),
-            value=str(c.retention),
-            description="keep outputs",
-            style=style,
-        )
-        self.batch_size = w.BoundedIntText(
-            value=c.batch_size, min=1, max=MAX_BATCH, description="batch size", style=style
-        )
-        self.accumulation = w.BoundedIntText(
-            value=c.accumulation, min=1, max=1024, description="accumulation", style=style
-        )
-        self.optimizer = w.Dropdown(
-            options=Optimizer.values(), value=str(c.optimizer), description="optimizer", style=style
-        )
-        self.budget = w.BoundedFloatText(
-            value=(c.budget or 0) / MiB, min=0, max=1e9, description="budget (MiB)", style=style
-        )
-        self.simulate = w.Dropdown(
-            options=(HERE, *GPUS, CUSTOM), value=HERE, description="simulate a GPU", style=style
-        )
-        self.custom_gib = w.BoundedFloatText(
-            value=16, min=1, max=4096, description="custom GPU (GiB)", style=style
-        )
-        self.custom_gib.layout.display = "none"  # shown when "custom size" is chosen
-
-        def show_custom(change: dict[str, Any]) -> None:
-            self.custom_gib.layout.display = "" if change["new"] == CUSTOM else "none"
-
-        self.simulate.observe(show_custom, names="value")
-        fit = w.Layout(width="auto")  # buttons as wide as their labels
-        self.run_button = w.Button(
-            description="Run", button_style="primary", icon="play", layout=fit
-        )
-        self.fit_button = w.Button(description="Largest batch that fits", icon="search", layout=fit)
-        self.clear_button = w.Button(description="Clear", icon="trash", layout=fit)
-        self.run_button.on_click(lambda _: self.run())
-        self.fit_button.on_click(lambda _: self.largest_batch())
-        self.clear_button.on_click(lambda _: self.clear())
-        self.status = w.HTML()
-        self.table = w.HTML()
-        self.chart = w.Image(format="png")
-        self.timeline = w.Image(format="png")
-        self.widget = w.VBox(
-            [
-                w.HBox(
-                    [
-                        w.VBox([self.amp, self.checkpoint, self.mode, self.retention]),
-                        w.VBox(
-                            [
-                                self.batch_size,
-                                self.accumulation,
-                                self.optimizer,
-                                self.budget,
-                                self.simulate,
-                                self.custom_gib,
-                            ]
-                        ),
-                    ]
-                ),
-                w.HBox([self.run_button, self.fit_button, self.clear_button]),
-                self.status,
-                self.table,
-                w.HBox([self.chart, self.timeline]),
-            ]
-        )
+        self.widget = build_controls(self, c)
+        self._work = Work(controls(self), self.cancel_button, self._write)
+        self._show_limit()
 
     # -- what the buttons do ----------------------------------------------------------------------
     @property
@@ -206,8 +151,10 @@ class Explorer:
         return RunResult(config, e.report, oom=not fits, error=error, predicted_for=card.name)
 
     def largest_batch(self) -> int | None:
-        """The largest batch size whose step fits the budget (or the GPU's free memory), found by
-        doubling and then halving the interval; out-of-memory runs are expected along the way."""
+        """The largest batch size whose step fits the budget (or the simulated GPU's memory, or
+        this GPU's free memory), found by doubling and then halving the interval; out-of-memory
+        runs are expected along the way. Cancel (when started by the button) keeps the largest
+        batch found so far."""
         config = self._attempt(lambda: self.config)
         if config is None:
             return None
@@ -230,17 +177,32 @@ class Explorer:
             # place, a step peaks higher than the very first one
             return not self._step(config.with_(batch_size=batch)).oom
 
-        best = self._attempt(lambda: largest_batch(fits, step))
+        budget = fmt_bytes(config.budget)
+
+        def trying(batch: int, fits_so_far: int, too_big: int | None) -> None:
+            known = f"fits: {fits_so_far:,}" if fits_so_far else "none fits yet"
+            if too_big is not None:
+                known += f"; too big: {too_big:,}"
+            self._progress(f"largest batch under {budget}: trying {batch:,} ({known})")
+
+        stop = lambda: self._work.cancelled  # noqa: E731
+        best = self._attempt(lambda: largest_batch(fits, step, on_try=trying, stop=stop))
         if best is None:
             return None
+        cancelled = " (cancelled: the largest found so far)" if self._work.cancelled else ""
         if best == 0:
-            self._say(f"not even a batch of {step} fits in {fmt_bytes(config.budget)}", True)
+            self._say(f"not even a batch of {step} fits in {budget}{cancelled}", True)
             return 0
         self.batch_size.value = best
-        self.run()
+        if not self._work.cancelled:
+            self.run()
         limit = f" (the search stops at {MAX_BATCH:,})" if best * 2 > MAX_BATCH else ""
-        self._say(f"largest batch that fits in {fmt_bytes(config.budget)}: {best}{limit}")
+        self._say(f"largest batch that fits in {budget}: {best:,}{limit}{cancelled}")
         return best
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the work a button started is done (for programs that press the buttons)."""
+        self._work.wait(timeout)
 
     def clear(self) -> None:
         self.results.clear()
@@ -261,8 +223,19 @@ class Explorer:
         return None
 
     def _say(self, text: str, problem: bool = False) -> None:
-        colour = "#b03a2e" if problem else "#555"
-        self.status.value = f'<div style="color:{colour};font-size:12px">{escape(text)}</div>'
+        """A message that stays (a result, an error), also while work runs."""
+        self._work.said()
+        self._write(text, problem)
+
+    def _write(self, text: str, problem: bool = False) -> None:
+        style = f"color:{GROW};font-size:12px" if problem else MUTED
+        self.status.value = f'<div style="{style}">{escape(text)}</div>'
+
+    def _progress(self, text: str) -> None:
+        if self._work.running:
+            self._work.progress(text)
+        else:
+            self._say(text)
 
     def _redraw(self) -> None:
         self.table.value = runs_table(self.results)
@@ -271,6 +244,8 @@ class Explorer:
         latest = done[-1].report if done else None
         timeline = latest is not None and latest.timeline is not None and len(latest.timeline)
         self.timeline.value = png(latest.plot()) if timeline and latest else b""
+        for image in (self.chart, self.timeline):  # no broken-image icon where nothing is drawn
+            image.layout.display = "" if image.value else "none"
 
 
 def _device_limit(config: RunConfig) -> int | None:

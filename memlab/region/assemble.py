@@ -3,6 +3,7 @@ tensor accounting's tally (categories, timeline)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,24 +88,29 @@ def _breakdown(tally: Tally, peak: int | None, end: int | None) -> Breakdown | N
     return Breakdown(at_peak, at_end, tally.highest)
 
 
+def thin(values: Sequence[int], limit: int = MAX_TIMELINE_POINTS) -> list[int]:
+    """Indices of at most about ``limit`` of ``values`` that keep their shape: the lowest and
+    the highest point of each stretch, in order. The maximum (the peak) is always kept."""
+    n = len(values)
+    if n <= limit:
+        return list(range(n))
+    step = n / (limit // 2)
+    keep: list[int] = []
+    for b in range(limit // 2):
+        lo, hi = int(b * step), min(n, int((b + 1) * step))
+        if lo >= hi:
+            continue
+        span = range(lo, hi)
+        i_min = min(span, key=values.__getitem__)
+        i_max = max(span, key=values.__getitem__)
+        keep.extend(sorted({i_min, i_max}))
+    return keep
+
+
 def _timeline(tally: Tally, offset: int) -> Timeline | None:
     if tally.times is None or tally.totals is None or tally.phases is None:
         return None
-    n = len(tally.times)
-    keep: list[int]
-    if n <= MAX_TIMELINE_POINTS:
-        keep = list(range(n))
-    else:  # keep the lowest and highest point of each stretch, in order
-        step = n / (MAX_TIMELINE_POINTS // 2)
-        keep = []
-        for b in range(MAX_TIMELINE_POINTS // 2):
-            lo, hi = int(b * step), min(n, int((b + 1) * step))
-            if lo >= hi:
-                continue
-            span = range(lo, hi)
-            i_min = min(span, key=tally.totals.__getitem__)
-            i_max = max(span, key=tally.totals.__getitem__)
-            keep.extend(sorted({i_min, i_max}))
+    keep = thin(tally.totals)
     return Timeline(
         seconds=tuple(tally.times[i] for i in keep),
         allocated=tuple(tally.totals[i] + offset for i in keep),

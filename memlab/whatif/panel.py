@@ -2,7 +2,7 @@
 
 from memlab.core.warn import moved
 from memlab.panel import Explorer
-from memlab.panel.explorer import CUSTOM, HERE
+from memlab.panel.controls import CUSTOM, HERE
 from memlab.panel.search import MAX_BATCH
 
 moved("memlab.whatif.panel", "memlab.panel (or memlab.Explorer)")

@@ -1,0 +1,129 @@
+"""The panel's controls: built onto the Explorer, so that programs and tests reach each widget
+as an attribute (``explorer.batch_size``, ``explorer.run_button``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as w
+
+from memlab.estimate.gpus import GPUS
+from memlab.panel.limit import mib
+from memlab.panel.search import MAX_BATCH
+from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig
+
+#: The "simulate a GPU" choice that measures on this machine instead.
+HERE = "no: measure here"
+#: The "simulate a GPU" choice of a card of any size (the "custom GPU (GiB)" field).
+CUSTOM = "custom size"
+
+
+def build_controls(self: Any, c: RunConfig) -> w.VBox:
+    """Creates the controls as attributes of the Explorer ``self``; returns the panel's box."""
+    style = {"description_width": "110px"}
+    self.amp = w.ToggleButtons(
+        options=Amp.values(), value=str(c.amp), description="AMP", style=style
+    )
+    self.checkpoint = w.ToggleButtons(
+        options=("off", "auto"),
+        value=c.checkpoint if isinstance(c.checkpoint, str) else "off",
+        description="checkpointing",
+        style=style,
+    )
+    self.mode = w.ToggleButtons(
+        options=Mode.values(), value=str(c.mode), description="mode", style=style
+    )
+    self.retention = w.ToggleButtons(
+        options=Retention.values(),
+        value=str(c.retention),
+        description="keep outputs",
+        style=style,
+    )
+    self.batch_size = w.BoundedIntText(
+        value=c.batch_size, min=1, max=MAX_BATCH, description="batch size", style=style
+    )
+    self.accumulation = w.BoundedIntText(
+        value=c.accumulation, min=1, max=1024, description="accumulation", style=style
+    )
+    self.optimizer = w.Dropdown(
+        options=Optimizer.values(), value=str(c.optimizer), description="optimizer", style=style
+    )
+    self.budget = w.BoundedFloatText(
+        value=mib(c.budget), min=0, max=1e9, step=1, description="budget (MiB)", style=style
+    )
+    self.simulate = w.Dropdown(
+        options=(HERE, *GPUS, CUSTOM), value=HERE, description="simulate a GPU", style=style
+    )
+    self.custom_gib = w.BoundedFloatText(
+        value=16, min=1, max=4096, description="custom GPU (GiB)", style=style
+    )
+    self.custom_gib.layout.display = "none"  # shown when "custom size" is chosen
+
+    def show_custom(change: dict[str, Any]) -> None:
+        self.custom_gib.layout.display = "" if change["new"] == CUSTOM else "none"
+
+    self.simulate.observe(show_custom, names="value")
+    self.simulate.observe(lambda _: self._follow_gpu(), names="value")
+    self.custom_gib.observe(lambda _: self._follow_gpu(), names="value")
+    self.budget.observe(self._budget_typed, names="value")
+    self.limit = w.HTML()
+    fit = w.Layout(width="auto")  # buttons as wide as their labels
+    self.run_button = w.Button(description="Run", button_style="primary", icon="play", layout=fit)
+    self.fit_button = w.Button(description="Largest batch that fits", icon="search", layout=fit)
+    self.clear_button = w.Button(description="Clear", icon="trash", layout=fit)
+    self.cancel_button = w.Button(
+        description="Cancel", icon="stop", button_style="warning", layout=w.Layout(width="auto")
+    )
+    self.cancel_button.layout.display = "none"  # shown while work runs
+    self.run_button.on_click(lambda _: self._work.start("running", self.run))
+    self.fit_button.on_click(
+        lambda _: self._work.start("searching the largest batch", self.largest_batch)
+    )
+    self.clear_button.on_click(lambda _: self.clear())
+    self.status = w.HTML()
+    self.table = w.HTML()
+    self.chart = w.Image(format="png", layout=w.Layout(display="none"))  # shown when drawn
+    self.timeline = w.Image(format="png", layout=w.Layout(display="none"))
+    return w.VBox(
+        [
+            w.HBox(
+                [
+                    w.VBox([self.amp, self.checkpoint, self.mode, self.retention]),
+                    w.VBox(
+                        [
+                            self.batch_size,
+                            self.accumulation,
+                            self.optimizer,
+                            self.budget,
+                            self.simulate,
+                            self.custom_gib,
+                            self.limit,
+                        ]
+                    ),
+                ]
+            ),
+            w.HBox([self.run_button, self.fit_button, self.clear_button, self.cancel_button]),
+            self.status,
+            self.table,
+            w.HBox([self.chart, self.timeline]),
+        ]
+    )
+
+
+def controls(self: Any) -> list[Any]:
+    """The widgets disabled while work runs."""
+    return [
+        self.run_button,
+        self.fit_button,
+        self.clear_button,
+        self.amp,
+        self.checkpoint,
+        self.mode,
+        self.retention,
+        self.batch_size,
+        self.accumulation,
+        self.optimizer,
+        self.budget,
+        self.simulate,
+        self.custom_gib,
+    ]
