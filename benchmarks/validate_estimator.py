@@ -17,7 +17,7 @@ Each case is a process of its own (``--jobs`` of them at once): measured on the 
 the allocator empty, then predicted. ``--json`` gets a line per case as it finishes, so a run cut
 short keeps what it did (``--table-from`` makes the table from it); ``--traces`` keeps each
 measured run's allocator trace, to see offline where a prediction parts from the GPU
-(`memlab.estimate.trace.compare`).
+(`memlab.estimate.trace.diff`).
 
 Without CUDA, ``--dry-run`` prints the predictions only (a test runs it that way, to keep the
 script working on machines without a GPU), and ``--repredict FILE`` predicts again every case of a
@@ -55,7 +55,7 @@ from memlab.examples.cases import CONFIGS, Case, case_file, installed
 from memlab.examples.cases import MODELS as TORCH_NN_MODELS
 from memlab.step import RunConfig, StepHooks, run
 from memlab.step.model import optimizer
-from memlab.step.run import loss_of
+from memlab.step.user import loss_of
 
 MiB = 2**20
 

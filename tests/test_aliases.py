@@ -58,3 +58,12 @@ def test_string_choices_are_enums_that_accept_their_strings() -> None:
     import json
 
     assert json.loads(json.dumps(a.to_dict()))["amp"] == "bf16"
+
+
+def test_renamed_functions_still_work_and_warn() -> None:
+    from memlab.estimate.trace import compare, diff, synthetic
+
+    real = synthetic([("alloc", 1, 512), ("free_completed", 1, 512)])
+    with pytest.warns(MemlabDeprecationWarning, match="use memlab.estimate.trace.diff"):
+        kept = compare(real, real)
+    assert kept == diff(real, real)

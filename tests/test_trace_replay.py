@@ -23,7 +23,7 @@ import pytest
 
 from memlab.estimate import GPU, estimate
 from memlab.estimate.gpus import matching
-from memlab.estimate.trace import compare, events_of, load, read, replay, synthetic
+from memlab.estimate.trace import diff, events_of, load, read, replay, synthetic
 from memlab.examples.cases import MODELS, RUNS, case_file, config
 
 MiB = 2**20
@@ -97,10 +97,10 @@ def test_gzipped_snapshots_load_and_a_window_has_its_own_peaks(tmp_path: Path) -
 
 def test_a_predicted_stream_is_compared_allocation_by_allocation() -> None:
     real = synthetic([("alloc", 1, 1000), ("alloc", 2, 4096), ("alloc", 3, 8192)])
-    same = compare(real, real)
+    same = diff(real, real)
     assert same.same and same.first is None and "same sizes in the same order" in str(same)
     other = synthetic([("alloc", 1, 1000), ("alloc", 2, 512), ("alloc", 3, 8192)])
-    d = compare(other, real)
+    d = diff(other, real)
     assert not d.same and d.first == 1
     assert d.counts == ((4096, 0, 1), (512, 1, 0))  # the larger difference in bytes first
     assert "first difference at allocation 1: predicted [512, 8192], real [4096, 8192]" in str(d)
@@ -150,7 +150,7 @@ def predicted(path: Path) -> tuple[float, float, str]:
     mine = events_of(e.trace)[slice(*e.trace["measured"])]
     real = events_of(trace)[stats["measured_from"] : stats["measured_to"]]
     where = f"{trace['case']} on {trace['device']}, torch {trace['torch']}:\n" + str(
-        compare(mine, real)
+        diff(mine, real)
     )
     return allocated, reserved, where
 

@@ -164,4 +164,7 @@ def strategies(estimate: Estimate, world_size: int) -> StrategyTable:
 def compare(estimate: Estimate, world_size: int) -> str:
     """Kept for one release: use `strategies`, whose result prints the same table (with notes),
     shows as HTML in a notebook and has ``.to_dict()``. Returns the plain-text table."""
+    from memlab.core.warn import moved
+
+    moved("memlab.estimate.compare", "memlab.estimate.strategies")
     return strategies(estimate, world_size).table()

@@ -42,7 +42,7 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return events_of(read(path))
 
 
-#: What `replay` and `compare` read of an event (`compact` keeps these, not the stack frames).
+#: What `replay` and `diff` read of an event (`compact` keeps these, not the stack frames).
 EVENT_KEYS = ("action", "addr", "size", "stream", "time_us")
 
 
@@ -160,11 +160,11 @@ def _allocation_sizes(events: list[dict[str, Any]]) -> tuple[int, ...]:
     return tuple(int(e.get("size", 0)) for e in events if e.get("action") == "alloc")
 
 
-def compare(
+def diff(
     predicted: Mapping[str, Any] | list[dict[str, Any]],
     real: Mapping[str, Any] | list[dict[str, Any]],
 ) -> StreamDiff:
-    """Compare the allocations of a predicted stream (``Estimate.trace``, or a list of events)
+    """Set the allocations of a predicted stream (``Estimate.trace``, or a list of events)
     with a real trace's: which allocation first differs, and which sizes one has more often.
     Pass the same part of each (e.g. the measured step: ``events[first:end]``)."""
     mine, theirs = _allocation_sizes(events_of(predicted)), _allocation_sizes(events_of(real))
@@ -176,6 +176,17 @@ def compare(
     differ = [(size, p, r) for size, (p, r) in counts.items() if p != r]
     differ.sort(key=lambda d: -abs(d[1] - d[2]) * d[0])
     return StreamDiff(mine, theirs, first, tuple(differ))
+
+
+def compare(
+    predicted: Mapping[str, Any] | list[dict[str, Any]],
+    real: Mapping[str, Any] | list[dict[str, Any]],
+) -> StreamDiff:
+    """Kept for one release: renamed `diff` (``memlab.estimate.compare`` is another thing)."""
+    from memlab.core.warn import moved
+
+    moved("memlab.estimate.trace.compare", "memlab.estimate.trace.diff")
+    return diff(predicted, real)
 
 
 def synthetic(steps: Iterable[tuple[str, int, int]]) -> list[dict[str, Any]]:
