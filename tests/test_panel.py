@@ -164,11 +164,13 @@ def test_predictions_are_compared_with_predictions_and_measurements_with_measure
     assert first is not None and first.predicted_for == "T4"
     rows = ex.table.value.split("<tr>")[2:]  # after the header row
     signed = [re.findall(r'title="(-?[\d,]+) B"', row) for row in rows]
-    # each row: peak, [change], activations; a baseline row has no change
-    assert len(signed[0]) == len(signed[1]) == 2
+    # each row: peak, before the step, [change], activations; a baseline row has no change
+    assert len(signed[0]) == len(signed[1]) == 3
     assert second is not None and third is not None and measured is not None
-    assert int(signed[2][1].replace(",", "")) == second.peak - first.peak  # type: ignore[operator]
-    assert int(signed[3][1].replace(",", "")) == third.peak - measured.peak  # type: ignore[operator]
+    assert int(signed[2][2].replace(",", "")) == second.peak - first.peak  # type: ignore[operator]
+    assert int(signed[3][2].replace(",", "")) == third.peak - measured.peak  # type: ignore[operator]
+    assert third.report is not None
+    assert int(signed[3][1].replace(",", "")) == third.report.allocated_before
     assert "baselines: run 1 (measured), run 2 (predicted for T4)" in ex.table.value
 
 

@@ -44,7 +44,8 @@ DESCRIPTIONS: dict[Category, str] = {
     Category.INPUT: "tensors passed to track(inputs=...)",
     Category.ACTIVATION: "tensors saved for backward by autograd",
     Category.TEMPORARY: "created in the region and freed before it ended",
-    Category.OTHER: "alive, with none of the roles above (results kept by the cell, other tensors)",
+    Category.OTHER: "alive, with none of the roles above: results the region kept, and tensors "
+    "from before it that it never used (your own tensors, earlier outputs, other models)",
     Category.UNATTRIBUTED: "allocator bytes no tensor accounts for (rounding, cuBLAS workspace, "
     "tensors created outside the region that it never touched)",
 }

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 EMPTY = "memlab: no runs yet."
-HEAD = ["run", "configuration", "peak", "vs baseline", "activations", "time", ""]
+HEAD = ["run", "configuration", "peak", "before the step", "vs baseline", "activations", "time", ""]
+#: What the "before the step" column means, said under the table.
+BEFORE = (
+    "before the step: memory already allocated when the step began (your own tensors, "
+    "optimizers and outputs from earlier cells, other models); the peak includes it"
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class Row:
     run: int
     configuration: str
     peak: int | None
+    #: Allocated when the step began (the user's own tensors, earlier outputs, other models).
+    before: int | None
     #: Peak minus its baseline's peak; None on a baseline row or without a peak.
     vs_baseline: int | None
     #: The most activation bytes alive at any moment of the step.
@@ -83,6 +90,7 @@ class Comparison(Result):
                     i,
                     described,
                     r.peak,
+                    r.report.allocated_before if r.report else None,
                     change,
                     breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0,
                     r.report.seconds if r.report and not r.predicted_for else None,
@@ -90,6 +98,31 @@ class Comparison(Result):
                 )
             )
         return rows
+
+    def activation_note(self) -> str | None:
+        """Why a prediction's activations differ from a measurement of the same step."""
+        measured = {r.config.describe(): r for r in self.results if r.predicted_for is None}
+        for r in self.results:
+            same = measured.get(r.config.describe())
+            if r.predicted_for is None or same is None or not (r.report and same.report):
+                continue
+            a, b = r.report.breakdown, same.report.breakdown
+            if a is None or b is None:
+                continue
+            mine, theirs = (x.highest.get(Category.ACTIVATION, 0) for x in (a, b))
+            if abs(mine - theirs) > 0.01 * max(mine, theirs, 1):
+                step = r.config.describe()
+                return (
+                    f"activations differ between the measured and the predicted {step}"
+                    f" ({fmt_bytes(theirs)} here, {fmt_bytes(mine)} predicted): a GPU runs "
+                    "attention through fused kernels that keep no attention matrix, dropout with a "
+                    "one-byte mask, and AMP in 16 bits where this device may not"
+                )
+        return None
+
+    def notes(self) -> list[str]:
+        said = [BEFORE, self.baseline_note(), self.activation_note()]
+        return [n for n in said if n]
 
     def baseline_note(self) -> str | None:
         """ "baselines: run 1 (measured), run 2 (predicted for T4)": said when it is not simply
@@ -108,6 +141,7 @@ class Comparison(Result):
                 {
                     **r.to_dict(),
                     "run": row.run,
+                    "before": row.before,
                     "vs_baseline": row.vs_baseline,
                     "activations": row.activations,
                 }
@@ -124,6 +158,7 @@ class Comparison(Result):
                 str(row.run),
                 row.configuration,
                 fmt_bytes(row.peak),
+                fmt_bytes(row.before),
                 "" if row.vs_baseline is None else fmt_bytes(row.vs_baseline, signed=True),
                 fmt_bytes(row.activations),
                 "" if row.seconds is None else fmt_seconds(row.seconds),
@@ -131,9 +166,8 @@ class Comparison(Result):
             ]
             for row in self.rows()
         ]
-        lines = [self.title, *columns(HEAD, rows, align="rlrrrrl")]
-        said = self.baseline_note()
-        return "\n".join(lines + ([f"  {said}"] if said else []))
+        lines = [self.title, *columns(HEAD, rows, align="rlrrrrrl")]
+        return "\n".join(lines + [f"  {n}" for n in self.notes()])
 
     def html(self) -> str:
         if not self.results:
@@ -142,6 +176,7 @@ class Comparison(Result):
             text_cell(str(row.run), CELL)
             + text_cell(row.configuration)
             + num_cell(row.peak)
+            + num_cell(row.before)
             + (
                 num_cell(row.vs_baseline, signed=True, colour=True)
                 if row.vs_baseline is not None
@@ -152,11 +187,10 @@ class Comparison(Result):
             + text_cell(row.verdict, f"{LEFT};color:{GROW}")
             for row in self.rows()
         ]
-        said = self.baseline_note()
         return (
             heading(self.title)
             + table(HEAD, cells, "memlab-runs")
-            + (f"\n{note(said)}" if said else "")
+            + "".join(f"\n{note(n)}" for n in self.notes())
         )
 
     def plot(self, ax: Axes | None = None) -> Figure:
