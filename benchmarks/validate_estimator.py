@@ -194,7 +194,9 @@ def torchinfo_total(model: str, name: str) -> int | None:
 
 def rule_of_thumb(model: str, name: str) -> int | None:
     """accelerate's training estimate: 4 × the fp32 model's bytes for Adam (weights, gradients,
-    two moments); the model's bytes for inference."""
+    two moments); the model's bytes for inference. None for a model not installed here."""
+    if model not in MODELS:
+        return None
     with torch.device("meta"):
         size = sum(p.numel() * p.element_size() for p in MODELS[model][0]().parameters())
     if "adam" in name:

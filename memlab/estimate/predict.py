@@ -108,10 +108,13 @@ def estimate(
     loss_on_meta = None if loss_fn is None else _on_meta(loss_fn)
     step_on_meta = None if step_fn is None else _on_meta(step_fn)
 
-    hooks = StepHooks(
-        autocast=emulated, foreach=True, grad_scaler=False, on_measure=listener.measuring
-    )
     ledger = default_ledger()
+
+    def measuring(moment: str) -> None:
+        ledger.settle()  # the frees so far belong before the mark
+        listener.measuring(moment)
+
+    hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
     try:
         with _cuda_like(cuda_kernels, workspaces.take):
@@ -180,6 +183,7 @@ class _Workspaces:
     def take(self, key: str) -> None:
         size = self.lt_size if key.endswith(" lt") else self.size
         if size:
+            default_ledger().settle()  # the frees before it first, as on a GPU
             self.listener.malloc(-1 - len(self.taken), size)
             self.taken.append((key, size))
 
