@@ -8,6 +8,7 @@ holds its sequence number, so functional ops inside ``forward`` belong to their 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,41 +16,73 @@ import torch
 
 from memlab.core import _torch
 from memlab.core.autograd import iter_nodes
-from memlab.graphs.model import Graph, Node, Saved
-from memlab.graphs.saved import saved_tensors
+from memlab.graphs.args import (
+    GraphArgumentError,
+    NoGraphError,
+    no_grad_fn_message,
+    no_graph_message,
+    not_a_module,
+    output_tensors,
+    required_inputs,
+    tensors_of,
+)
+from memlab.graphs.collapse import drawing_notes
+from memlab.graphs.model import KINDS, Graph, Node, Saved
+from memlab.graphs.saved import saved_tensors, storages
+
+__all__ = ["GraphArgumentError", "NoGraphError", "graph", "graph_of"]
 
 _LEAF_SEQ = 2**64 - 1  # AccumulateGrad nodes' sequence number
-
-
-class NoGraphError(ValueError):
-    """The output has no autograd graph."""
 
 
 def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     """Run ``model(*inputs, **kwargs)`` with grad enabled and return its annotated graph.
 
     Works on any device, meta and fake tensors included (nothing is allocated on meta)."""
+    if not issubclass(type(model), torch.nn.Module):
+        raise GraphArgumentError(not_a_module(model))
+    if not inputs and not kwargs:
+        needed = required_inputs(model)
+        if needed:
+            raise GraphArgumentError(
+                f"memlab.graph(model, *inputs) runs one forward of the model, so it needs its "
+                f"inputs: {type(model).__name__}.forward takes {', '.join(needed)} and none was "
+                "given. Pass them after the model: memlab.graph(model, x), or as keywords "
+                f"(memlab.graph(model, {needed[0]}=x))."
+            )
     names = {id(m): name for name, m in model.named_modules()}
+    kinds = tuple((name, type(m).__name__) for name, m in model.named_modules())
     intervals: list[tuple[int, int, str]] = []
     with _module_intervals(names, intervals), torch.enable_grad():
         out = model(*inputs, **kwargs)
+    outputs = tensors_of(out)
+    if not any(t.grad_fn is not None for t in outputs):
+        grad = any(p.requires_grad for p in model.parameters()) or any(
+            t.requires_grad for t in tensors_of((inputs, kwargs))
+        )
+        raise NoGraphError(no_graph_message(out, outputs, grad))
     fixed = _storages(model.parameters(), model.buffers())
-    given = _storages(_tensors(inputs), _tensors(kwargs))
+    given = _storages(tensors_of((inputs, kwargs)))
     params = {id(p): n for n, p in model.named_parameters()}
     notes = (
         ()
         if _torch.next_sequence_nr() is not None
         else ("this torch cannot tell which module made each node",)
     )
-    return _build(_tensors(out), intervals, fixed, given, params, notes)
+    return _build(outputs, intervals, fixed, given, params, notes, kinds)
 
 
 def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Graph:
-    """The annotated graph behind tensors that already have a ``grad_fn``. Module names are
-    unknown here (``memlab.graph`` runs the forward to learn them); leaves that require grad are
-    the graph's parameters, and ``inputs`` are tensors that exist anyway."""
+    """The annotated graph behind tensors that already have a ``grad_fn`` (lists, tuples and
+    dicts of them are unpacked). Module names are unknown here (``memlab.graph`` runs the
+    forward to learn them); leaves that require grad are the graph's parameters, and ``inputs``
+    are tensors that exist anyway."""
+    tensors = output_tensors(outputs)
+    without = [t for t in tensors if t.grad_fn is None]
+    if len(without) == len(tensors):
+        raise NoGraphError(no_grad_fn_message(without[0], len(tensors)))
     notes = ("modules unknown: memlab.graph(model, *inputs) runs the forward to learn them",)
-    return _build(list(outputs), [], None, _storages(inputs), {}, notes)
+    return _build(tensors, [], None, _storages(tensors_of(inputs)), {}, notes, ())
 
 
 @contextlib.contextmanager
@@ -81,18 +114,8 @@ def _module_intervals(names: dict[int, str], out: list[tuple[int, int, str]]) ->
             h.remove()
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
-
-
 def _storages(*groups: Iterable[torch.Tensor]) -> dict[int, Any]:
-    return {id(st): st for g in groups for t in g if (st := t.untyped_storage()) is not None}
+    return {id(st): st for g in groups for t in g for st in (storages(t) or ())}
 
 
 def _owners(intervals: list[tuple[int, int, str]]) -> dict[int, str]:
@@ -112,16 +135,11 @@ def _build(
     given: dict[int, Any],
     params: dict[int, str],
     notes: tuple[str, ...],
+    kinds: tuple[tuple[str, str], ...],
 ) -> Graph:
     """``fixed``: storages of parameters and buffers (``None``: the graph's leaves);
     ``given``: storages of the forward's inputs."""
     roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    if not roots:
-        raise NoGraphError(
-            "The output has no grad_fn, so there is no autograd graph to draw. Run the forward "
-            "with grad enabled (not under torch.no_grad() or torch.inference_mode()) and with "
-            "parameters or inputs that require grad."
-        )
     owner = _owners(intervals)
     nodes = list(iter_nodes(roots))
     index = {id(n): i for i, n in enumerate(nodes)}
@@ -129,17 +147,18 @@ def _build(
         leaves = (getattr(n, "variable", None) for n in nodes)
         fixed = _storages([t for t in leaves if isinstance(t, torch.Tensor)])
     # Order by creation, so that a storage is charged to the earliest node that saved it.
-    order = sorted(range(len(nodes)), key=lambda i: _torch.sequence_nr(nodes[i]))
+    seqs = [_torch.sequence_nr(n) for n in nodes]
+    order = sorted(range(len(nodes)), key=seqs.__getitem__)
     charged: set[int] = set()
     fixed_saved: dict[int, int] = {}
+    unread = 0
     keep: list[Any] = []
     built: dict[int, Node] = {}
     for i in order:
         n = nodes[i]
-        seq = _torch.sequence_nr(n)
         leaf = getattr(n, "variable", None)
         leaf_name = None
-        module = owner.get(seq, "")
+        module = owner.get(seqs[i], "")
         if isinstance(leaf, torch.Tensor):
             leaf_name = params.get(id(leaf))
             if leaf_name is None:  # not a named parameter of the model
@@ -149,25 +168,41 @@ def _build(
                 module = leaf_name.rpartition(".")[0]
         saved, total = [], 0
         for attr, t in saved_tensors(n):
-            st = t.untyped_storage()
-            keep.append(st)
-            key = id(st)
-            if key in fixed:
-                kind = "parameter"
-                fixed_saved[key] = st.nbytes()
-            elif key in given:
-                kind = "input"
-            elif key in charged:
-                kind = "shared"
-            else:
-                charged.add(key)
-                kind = "activation"
-                total += st.nbytes()
-            saved.append(
-                Saved(attr, tuple(t.shape), str(t.dtype).removeprefix("torch."), st.nbytes(), kind)
-            )
+            parts = storages(t)
+            if parts is None:
+                unread += 1
+                saved.append(Saved(attr, tuple(t.shape), _dtype(t), 0, "unread"))
+                continue
+            keep.extend(parts)
+            kinds_seen = []
+            for st in parts:
+                key = id(st)
+                if key in fixed:
+                    kinds_seen.append("parameter")
+                    fixed_saved[key] = st.nbytes()
+                elif key in given:
+                    kinds_seen.append("input")
+                elif key in charged:
+                    kinds_seen.append("shared")
+                else:
+                    charged.add(key)
+                    kinds_seen.append("activation")
+                    total += st.nbytes()
+            kind = next((k for k in KINDS if k in kinds_seen), "shared")
+            nbytes = sum(st.nbytes() for st in parts)
+            saved.append(Saved(attr, tuple(t.shape), _dtype(t), nbytes, kind))
         inputs = tuple(index[id(f)] for f, _ in n.next_functions if f is not None)
         built[i] = Node(i, type(n).__name__, module, total, tuple(saved), inputs, leaf_name)
+    if unread:
+        notes += (
+            f"{unread} saved tensor(s) not counted: their bytes cannot be read without changing "
+            "them (a sparse tensor that is not coalesced, or a tensor without storage)",
+        )
     root_ids = tuple(dict.fromkeys(index[id(r)] for r in roots))
     nodes_out = tuple(built[i] for i in range(len(nodes)))
-    return Graph(nodes_out, root_ids, sum(fixed_saved.values()), notes)
+    g = Graph(nodes_out, root_ids, sum(fixed_saved.values()), notes, kinds)
+    return dataclasses.replace(g, notes=notes + drawing_notes(g))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

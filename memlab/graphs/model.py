@@ -8,14 +8,16 @@ from html import escape
 from typing import Any
 
 from memlab.core._torch import SAVED_PREFIX
+from memlab.graphs.collapse import MAX_DRAWN
 from memlab.reports.frame import frame, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
 
 #: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
-#: earliest node that saved it), memory another node already accounts for (shared), and memory
-#: that exists anyway (parameter or buffer, an input of the forward).
-KINDS = ("activation", "shared", "parameter", "input")
+#: earliest node that saved it), memory another node already accounts for (shared), memory
+#: that exists anyway (parameter or buffer, an input of the forward), and memory whose bytes
+#: cannot be read without changing it (unread: a sparse tensor not coalesced; not counted).
+KINDS = ("activation", "shared", "parameter", "input", "unread")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class Graph(Result):
     #: they exist anyway).
     saved_parameter_bytes: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: (module path, class name) of each module of the model (``memlab.graph`` only): how a
+    #: drawing names a run of repeated modules.
+    module_types: tuple[tuple[str, str], ...] = ()
 
     @property
     def activation_bytes(self) -> int:
@@ -108,25 +113,28 @@ class Graph(Result):
         }
 
     # -- drawing ------------------------------------------------------------------------------
-    def dot(self, depth: int | None = None) -> str:
+    def dot(self, depth: int | None = None, limit: int | None = MAX_DRAWN) -> str:
         """The DOT text. ``depth``: collapse modules below that many path components into one
-        box each (a module-level view); ``None`` draws every node."""
+        box each (a module-level view); ``None`` draws every node. ``limit``: the most boxes
+        drawn; a bigger graph has its repeated parts collapsed and, if need be, the part
+        farthest from the output summed up in one box, as the drawing and `notes` say
+        (``None`` draws everything, which graphviz may take minutes to lay out)."""
         from memlab.graphs.dot import to_dot
 
-        return to_dot(self, depth)
+        return to_dot(self, depth, limit)
 
     @property
     def source(self) -> str:
         return self.dot()
 
-    def svg(self, depth: int | None = None) -> str:
+    def svg(self, depth: int | None = None, limit: int | None = MAX_DRAWN) -> str:
         from memlab.graphs.dot import render_svg
 
-        return render_svg(self.dot(depth))
+        return render_svg(self.dot(depth, limit))
 
-    def view(self, depth: int) -> GraphView:
+    def view(self, depth: int, limit: int | None = MAX_DRAWN) -> GraphView:
         """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``."""
-        return GraphView(self, depth)
+        return GraphView(self, depth, limit)
 
     def table_html(self, k: int = 10) -> str:
         """The ``k`` heaviest nodes, in the frame: what a notebook shows under the drawing."""
@@ -161,16 +169,17 @@ class Graph(Result):
 class GraphView:
     graph: Graph
     depth: int
+    limit: int | None = MAX_DRAWN
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        return _bundle(self.graph, self.depth)
+        return _bundle(self.graph, self.depth, self.limit)
 
     def svg(self) -> str:
-        return self.graph.svg(self.depth)
+        return self.graph.svg(self.depth, self.limit)
 
     @property
     def source(self) -> str:
-        return self.graph.dot(self.depth)
+        return self.graph.dot(self.depth, self.limit)
 
 
 def module_at(path: str, depth: int | None) -> str:
@@ -179,16 +188,17 @@ def module_at(path: str, depth: int | None) -> str:
     return ".".join(path.split(".")[:depth])
 
 
-def _bundle(graph: Graph, depth: int | None) -> dict[str, Any]:
-    from memlab.graphs.dot import DotMissingError
+def _bundle(graph: Graph, depth: int | None, limit: int | None = MAX_DRAWN) -> dict[str, Any]:
+    from memlab.graphs.dot import DotMissingError, render_svg, to_dot
 
     table = graph.table_html()
+    dot = to_dot(graph, depth, limit)
     try:
-        svg = graph.svg(depth)
+        svg = render_svg(dot)
     except DotMissingError as e:
         return {
-            "text/plain": f"{e}\n\n{graph.dot(depth)}",
+            "text/plain": f"{e}\n\n{dot}",
             "text/html": f"<div><b>{escape(str(e))}</b></div>{table}"
-            f"<details><summary>DOT text</summary><pre>{escape(graph.dot(depth))}</pre></details>",
+            f"<details><summary>DOT text</summary><pre>{escape(dot)}</pre></details>",
         }
     return {"text/html": svg + table, "text/plain": str(graph)}

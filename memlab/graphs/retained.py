@@ -10,8 +10,7 @@ counted once across all variables.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from html import escape
 from typing import Any
@@ -19,13 +18,11 @@ from typing import Any
 import torch
 
 from memlab.core.autograd import iter_nodes
-from memlab.graphs.saved import GraphFreedError, saved_tensors
-from memlab.reports.frame import CELL, LEFT, heading, num_cell, table, text_cell
+from memlab.graphs.saved import GraphFreedError, saved_tensors, storages
+from memlab.graphs.scan import Skipped, tensors_in
+from memlab.reports.frame import CELL, LEFT, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
-
-MAX_ITEMS = 10_000
-_OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 @dataclass(frozen=True)
@@ -59,6 +56,8 @@ class RetainedReport(Result):
     css = "memlab-retained"
 
     items: tuple[Retained, ...]
+    #: What the scan skipped and why (objects it could not read without running their code).
+    notes: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -78,22 +77,30 @@ class RetainedReport(Result):
                 }
                 for i in self.items
             ],
+            "notes": list(self.notes),
         }
 
     def text(self) -> str:
+        notes = [f"  note: {n}" for n in self.notes]
         if not self.items:
-            return "memlab: no variable keeps an autograd graph's saved tensors alive."
+            return "\n".join(
+                ["memlab: no variable keeps an autograd graph's saved tensors alive.", *notes]
+            )
         lines = [f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs in variables"]
         for i in self.items:
             lines.append(
                 f"  {i.name}: {fmt_bytes(i.bytes)} ({i.tensors} tensor(s) with a graph, "
                 f"{i.nodes} nodes, e.g. {i.example}); fix: {i.fix}"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
 
     def html(self) -> str:
+        notes = "".join(note(n) for n in self.notes)
         if not self.items:
-            return heading(self.text())
+            return (
+                heading("memlab: no variable keeps an autograd graph's saved tensors alive.")
+                + notes
+            )
         rows = [
             f'<td style="{LEFT}"><code>{escape(i.name)}</code></td>'
             + num_cell(i.bytes, colour=True)
@@ -103,32 +110,11 @@ class RetainedReport(Result):
             for i in self.items
         ]
         head = ["variable", "kept alive", "tensors", "graph nodes", "fix"]
-        return heading(f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs") + table(
-            head, rows, "memlab-retained-table"
+        return (
+            heading(f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs")
+            + table(head, rows, "memlab-retained-table")
+            + notes
         )
-
-
-def _walk(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    """(path, tensor) for every tensor under ``value``, ``depth`` levels into containers and
-    object attributes; each object visited once."""
-    if id(value) in seen:
-        return
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        yield path, value
-        return
-    if depth <= 0 or isinstance(value, (str, bytes, int, float, bool, type(None), *_OPAQUE)):
-        return
-    if isinstance(value, dict):
-        for k, v in list(value.items())[:MAX_ITEMS]:
-            yield from _walk(v, f"{path}[{k!r}]", depth - 1, seen)
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for i, v in enumerate(list(value)[:MAX_ITEMS]):
-            yield from _walk(v, f"{path}[{i}]", depth - 1, seen)
-    elif isinstance(getattr(value, "__dict__", None), dict):
-        for k, v in list(vars(value).items())[:MAX_ITEMS]:
-            if k not in ("_parameters", "_buffers"):
-                yield from _walk(v, f"{path}.{k}", depth - 1, seen)
 
 
 def find_retained(
@@ -136,45 +122,65 @@ def find_retained(
 ) -> RetainedReport:
     """Variables of ``namespace`` whose tensors keep autograd graphs' saved tensors alive.
 
-    Names starting with ``_`` and names in ``skip`` (IPython's own: In, Out, ...) are ignored."""
-    found: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    Names starting with ``_`` and names in ``skip`` (IPython's own: In, Out, ...) are ignored.
+    No code of the namespace's objects is run (see `memlab.graphs.scan`); what cannot be read
+    is skipped and counted in the report's notes."""
+    skipped = Skipped()
+    plain: Any = namespace  # a dict's own items: a subclass's overrides do not run
+    pairs = dict.items(plain) if issubclass(type(namespace), dict) else namespace.items()
+    variables = [
+        (name, value)
+        for name, value in list(pairs)
+        if type(name) is str and not name.startswith("_") and name not in skip
+    ]
+    found: dict[str, list[tuple[str, Any]]] = {}
     held: set[int] = set()  # storages a variable holds anyway (detaching frees none of them)
     keep: list[Any] = []  # hold storages while comparing their ids
-    seen: set[int] = set()
-    for name, value in list(namespace.items()):
-        if name.startswith("_") or name in skip:
-            continue
-        for path, t in _walk(value, name, depth, seen):
-            st = t.untyped_storage()
-            keep.append(st)
-            held.add(id(st))
-            if t.grad_fn is not None:
-                found.setdefault(name, []).append((path, t))
+    for name, path, t in tensors_in(variables, depth, skipped):
+        parts = storages(t)
+        try:
+            grad_fn = t.grad_fn
+        except Exception:  # a tensor subclass's own code
+            parts, grad_fn = None, None
+        if parts is None:
+            skipped.add("tensor")
+        else:
+            keep.extend(parts)
+            held.update(id(st) for st in parts)
+        if grad_fn is not None:
+            found.setdefault(name, []).append((path, grad_fn))
     charged: set[int] = set()
     items = []
-    for name, tensors in found.items():
-        nodes = list(iter_nodes(t.grad_fn for _, t in tensors))
-        leaves = set()
+    for name, graphs in found.items():
+        nodes = list(iter_nodes(g for _, g in graphs))
+        leaves: set[int] = set()
         for node in nodes:
             leaf = getattr(node, "variable", None)
             if isinstance(leaf, torch.Tensor):
-                st = leaf.untyped_storage()
-                keep.append(st)
-                leaves.add(id(st))
+                parts = storages(leaf) or ()
+                keep.extend(parts)
+                leaves.update(id(st) for st in parts)
         total = 0
         for node in nodes:
             try:
-                for _, t in saved_tensors(node):
-                    st = t.untyped_storage()
+                saved = [storages(t) for _, t in saved_tensors(node)]
+            except GraphFreedError:
+                continue  # backward already released this node's saved tensors
+            except Exception:
+                skipped.add("node")
+                continue
+            for parts in saved:
+                if parts is None:
+                    skipped.add("tensor")
+                    continue
+                for st in parts:
                     key = id(st)
                     keep.append(st)
                     if key in held or key in leaves or key in charged:
                         continue
                     charged.add(key)
                     total += st.nbytes()
-            except GraphFreedError:
-                continue  # backward already released this node's saved tensors
         if total:
-            items.append(Retained(name, total, len(nodes), len(tensors), tensors[0][0]))
+            items.append(Retained(name, total, len(nodes), len(graphs), graphs[0][0]))
     items.sort(key=lambda i: -i.bytes)
-    return RetainedReport(tuple(items))
+    return RetainedReport(tuple(items), skipped.notes())

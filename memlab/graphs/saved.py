@@ -10,6 +10,14 @@ import torch
 from memlab.core import _torch
 
 _NAMES: dict[type, tuple[str, ...]] = {}
+#: The tensors that hold a sparse tensor's bytes, by layout (public accessors only).
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("indices", "values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 class GraphFreedError(RuntimeError):
@@ -33,3 +41,22 @@ def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor):
                 yield name, t
+
+
+def storages(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """The untyped storages that hold ``t``'s bytes: its one storage, or a sparse tensor's
+    indices and values. None where they cannot be read without changing anything (a sparse COO
+    tensor that is not coalesced, a tensor subclass or layout without storage)."""
+    try:
+        layout = t.layout
+        if layout == torch.strided:
+            return (t.untyped_storage(),)
+        parts = _SPARSE_PARTS.get(layout)
+        if parts is None:
+            return (t.untyped_storage(),)
+        if layout == torch.sparse_coo and not t.is_coalesced():
+            return None  # its values and indices are private to torch until coalesced
+        with torch.no_grad():  # reading the parts of a tensor that requires grad adds no node
+            return tuple(getattr(t, p)().untyped_storage() for p in parts)
+    except Exception:  # NotImplementedError (no storage), RuntimeError, a subclass's own error
+        return None

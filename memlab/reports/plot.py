@@ -86,17 +86,81 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     return fig
 
 
+#: A history plot draws at most this many points per line, and this many x labels.
+MAX_POINTS = 2_000
+MAX_TICKS = 20
+#: Longer cell names are cut in the x labels.
+MAX_LABEL = 24
+
+
+def envelope(values: Sequence[int], buckets: int) -> tuple[list[int], list[int]]:
+    """(positions, values) of at most ``2 * buckets`` points that keep the shape of ``values``:
+    each bucket's lowest and highest value, in the order they come, so every peak of a bucket
+    (the highest of all included) stays on the line. One pass: O(len(values))."""
+    n = len(values)
+    size = max(1, -(-n // max(1, buckets)))
+    xs: list[int] = []
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        low = min(range(lo, hi), key=values.__getitem__)
+        high = max(range(lo, hi), key=values.__getitem__)
+        xs += sorted({low, high})
+    return xs, [values[i] for i in xs]
+
+
+def ticks(n: int, most: int = MAX_TICKS) -> list[int]:
+    """At most ``most`` evenly spread positions out of ``n``, the first and the last included."""
+    if n <= most:
+        return list(range(n))
+    step = (n - 1) / (most - 1)
+    return sorted({round(k * step) for k in range(most)})
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= MAX_LABEL else name[: MAX_LABEL - 1] + "…"
+
+
 def plot_history(
     names: Sequence[str], after: Sequence[int], peak: Sequence[int], ax: Axes | None = None
 ) -> Figure:
-    """Allocated after each tracked cell and the peak inside it."""
+    """Allocated after each tracked cell and the peak inside it. A long history is drawn in
+    O(n): at most `MAX_POINTS` points a line (each stretch's lowest and highest value, so no
+    peak is lost) and at most `MAX_TICKS` x labels."""
     fig, ax = _axes(ax, (7.0, 2.8))
-    xs = list(range(len(names)))
-    ax.plot(xs, [mib(a) for a in after], marker="o", color="#1f4e79", label="allocated after")
-    ax.plot(xs, [mib(p) for p in peak], marker="^", ls="--", color="#b03a2e", label="peak inside")
-    ax.set_xticks(xs, names, rotation=45 if len(names) > 12 else 0, fontsize=8)
+    n = len(names)
+    reduced = n > MAX_POINTS
+    if reduced:
+        xa, ya = envelope(after, MAX_POINTS // 2)
+        xp, yp = envelope(peak, MAX_POINTS // 2)
+    else:
+        xa, ya, xp, yp = list(range(n)), list(after), list(range(n)), list(peak)
+    dots = n <= 60
+    ax.plot(
+        xa,
+        [mib(a) for a in ya],
+        marker="o" if dots else None,
+        color="#1f4e79",
+        label="allocated after",
+    )
+    ax.plot(
+        xp,
+        [mib(p) for p in yp],
+        marker="^" if dots else None,
+        ls="--",
+        color="#b03a2e",
+        label="peak inside",
+    )
+    shown = ticks(n)
+    labels = [_short(names[i]) for i in shown]
+    ax.set_xticks(shown, labels, rotation=45 if len(shown) > 12 else 0, fontsize=8)
     ax.set_xlabel("tracked cell")
     ax.set_ylabel("MiB")
+    if reduced:
+        ax.set_title(
+            f"{n:,} cells; each line keeps the lowest and highest value of every "
+            f"{-(-n // (MAX_POINTS // 2)):,} cells (no peak is lost)",
+            fontsize=8,
+        )
     ax.legend(loc="upper left", fontsize=8, frameon=False)
     return fig
 
