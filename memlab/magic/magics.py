@@ -85,6 +85,7 @@ class GpumemMagics(Magics):
         shell._memlab_history = self.history
         self._auto: Options | None = None
         self._auto_region: track | None = None
+        self._custom_exc: Any = None
 
     # -- %%gpumem / %gpumem ---------------------------------------------------------------------
     @line_cell_magic
@@ -115,7 +116,7 @@ class GpumemMagics(Magics):
             raise
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
-            return value if has_value(value) else None
+            return value if has_value(value) and not quiet else None
         if has_value(value) and not quiet:
             self.sh.displayhook(value)  # Out[n] first, then the report under it
         self._publish(region, opts)
@@ -235,6 +236,12 @@ class GpumemMagics(Magics):
         self._auto = opts
         self.sh.events.register("pre_run_cell", self._pre_cell)
         self.sh.events.register("post_run_cell", self._post_cell)
+        if not self.sh.custom_exceptions:  # the user's own handler, if any, stays
+            # an error in a tracked cell reaches IPython through memlab's dispatch mode:
+            # shown without memlab's frames, as under %%gpumem
+            before = (self.sh.custom_exceptions, getattr(self.sh, "CustomTB", None))
+            self.sh.set_custom_exc((Exception, KeyboardInterrupt), _show_without_memlab)
+            self._custom_exc = (self.sh.CustomTB, before)
         print("memlab: tracking every cell (%gpumem_auto off to stop).")
 
     def auto_off(self) -> None:
@@ -243,6 +250,11 @@ class GpumemMagics(Magics):
         for name, cb in (("pre_run_cell", self._pre_cell), ("post_run_cell", self._post_cell)):
             with contextlib.suppress(ValueError):
                 self.sh.events.unregister(name, cb)
+        if self._custom_exc is not None:
+            mine, (exceptions, handler) = self._custom_exc
+            if getattr(self.sh, "CustomTB", None) is mine:  # nobody replaced it since
+                self.sh.custom_exceptions, self.sh.CustomTB = exceptions, handler
+        self._custom_exc = None
         self._close_auto(None)
         self._auto = None
 
@@ -280,6 +292,16 @@ class GpumemMagics(Magics):
         return region
 
     gpumem.__doc__ = HELP
+
+
+def _show_without_memlab(
+    shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None
+) -> list[str]:
+    """IPython's custom exception handler while %gpumem_auto is on: the traceback as IPython
+    would show it, less memlab's frames."""
+    without_memlab(value)
+    shell.showtraceback((etype, value, value.__traceback__), tb_offset=tb_offset)
+    return []
 
 
 def _png(fig: Any) -> Image:

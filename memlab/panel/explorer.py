@@ -25,7 +25,7 @@ from memlab.panel.work import Work
 from memlab.reports.frame import GROW
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, RunResult, WhatIfError, run
-from memlab.step.model import resolve_device
+from memlab.step.model import config_of, resolve_device
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 T = TypeVar("T")
@@ -85,7 +85,7 @@ class Explorer(BudgetLimit):
         self.model_fn, self.input_fn, self.loss_fn = model_fn, input_fn, loss_fn
         self.step_fn = step_fn
         self.results: list[RunResult] = []
-        c = config or RunConfig()
+        c = config_of(config, {})  # a RunConfig, a dict of its fields, or None
         self._base = c
         self.widget = build_controls(self, c)
         self._work = Work(controls(self), self.cancel_button, self._write)

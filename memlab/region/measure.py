@@ -112,6 +112,19 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        # A Ctrl-C while memlab closes the region waits until the region is closed and its
+        # report built (closing again is safe: each step resumes where it stopped).
+        deferred: KeyboardInterrupt | None = None
+        for _ in range(3):
+            try:
+                self._close(et if et is not None or deferred is None else KeyboardInterrupt)
+                break
+            except KeyboardInterrupt as e:
+                deferred = e
+        if deferred is not None and et is None:
+            raise deferred
+
+    def _close(self, et: type[BaseException] | None) -> None:
         try:
             try:
                 for cr in self._cuda.values():

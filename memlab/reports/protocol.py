@@ -43,3 +43,10 @@ class Result(ABC):
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # IPython's pretty printer takes a class's own __repr__ (a dataclass writes one) before
+        # an inherited _repr_pretty_: give each result type its own, so that a text front end
+        # shows the text table, not the dataclass's fields.
+        super().__init_subclass__(**kwargs)
+        cls._repr_pretty_ = Result._repr_pretty_  # type: ignore[method-assign]
