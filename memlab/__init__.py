@@ -11,7 +11,7 @@ from typing import Any
 from memlab.core.categories import Category
 from memlab.core.devices import DeviceError
 from memlab.core.warn import MemlabDeprecationWarning, MemlabWarning
-from memlab.graphs.capture import NoGraphError, graph, graph_of
+from memlab.graphs.capture import GraphArgumentError, NoGraphError, graph, graph_of
 from memlab.graphs.model import Graph
 from memlab.region import track
 from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
@@ -24,6 +24,7 @@ __all__ = [
     "DeviceError",
     "Explorer",
     "Graph",
+    "GraphArgumentError",
     "MemlabDeprecationWarning",
     "MemlabWarning",
     "MemoryReport",
