@@ -13,6 +13,7 @@ from memlab.core.devices import DeviceError
 from memlab.core.warn import MemlabDeprecationWarning, MemlabWarning
 from memlab.graphs.capture import GraphArgumentError, NoGraphError, graph, graph_of
 from memlab.graphs.model import Graph
+from memlab.graphs.viz import make_dot
 from memlab.region import track
 from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
 
@@ -34,6 +35,7 @@ __all__ = [
     "graph",
     "graph_of",
     "load_ipython_extension",
+    "make_dot",
     "track",
     "unload_ipython_extension",
 ]
