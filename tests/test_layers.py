@@ -21,7 +21,7 @@ FLOORS = [
     ("estimate",),
     ("panel",),
     # above the floors: the public aliases, the model zoo's cases, the course, the package root
-    ("whatif", "examples", "course", "__init__"),
+    ("whatif", "examples", "course", "autoload", "__init__"),
 ]
 #: Lower than its folder suggests: the model zoo needs only torch and the step's RunConfig.
 PINNED = {"examples": 4}

@@ -6,6 +6,10 @@ from typing import Any
 
 
 def load(ipython: Any) -> None:
+    """Registers the magics, once: loading again (``memlab.autoload`` and a notebook's own
+    ``%load_ext memlab``) does nothing."""
+    if getattr(ipython, "_memlab_magics", None) is not None:
+        return
     from memlab.magic.magics import GpumemMagics
 
     magics = GpumemMagics(ipython)
