@@ -503,3 +503,14 @@ def test_the_fused_attention_path_is_emulated_only_where_a_gpu_takes_it_without_
     )
     with cuda_functions(), torch.no_grad():
         assert layer(x, scale=2.0).shape == x.shape
+
+
+def test_an_estimate_shows_its_timeline_in_a_notebook(ip: Any) -> None:
+    ip.push({"estimate": estimate, "mlp": mlp, "rows": rows})
+    ip.rec.clear()
+    r = ip.run_cell("estimate(mlp, rows, gpu='T4', batch_size=8)", store_history=True)
+    assert r.success
+    kinds = [sorted(d) for _, d in ip.rec.items]
+    assert ["text/html", "text/plain"] in kinds and any("image/png" in k for k in kinds)
+    html = next(d["text/html"] for _, d in ip.rec.items if "text/html" in d)
+    assert "predicted for T4" in html

@@ -106,3 +106,18 @@ class Estimate(Result):
     def html(self) -> str:
         # the verdict first: the report itself has no room for it
         return f"{heading(self.headline())}\n{self.report.html()}"
+
+    def plot(self, ax: Any = None) -> Any:
+        """The predicted timeline (the allocator model's allocated bytes through the step)."""
+        return self.report.plot(ax)
+
+    def _ipython_display_(self) -> None:
+        """In a notebook: the report, then its timeline, as the estimator's docs promise."""
+        from IPython.display import Image, display
+
+        from memlab.reports.plot import png
+
+        display({"text/html": self._repr_html_(), "text/plain": self.text()}, raw=True)
+        timeline = self.report.timeline
+        if timeline is not None and len(timeline):
+            display(Image(data=png(self.plot()), format="png"))
