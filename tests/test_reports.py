@@ -162,7 +162,7 @@ def test_plot_draws_the_timeline() -> None:
     fig = r.plot()
     ax = fig.axes[0]
     ys = ax.lines[0].get_ydata()
-    assert max(ys) == pytest.approx(300 / MiB)
+    assert max(ys) == pytest.approx(300) and ax.get_ylabel() == "B"  # in the unit that fits
     labels = ax.get_legend_handles_labels()[1]
     assert {"allocated", "peak", "forward", "backward", "optimizer"} <= set(labels)
 
@@ -177,3 +177,36 @@ def test_multi_device_reports() -> None:
     assert len(rs) == 2 and rs[1].device == "cuda:1"
     assert rs._repr_html_().count("memlab-report") == 2
     assert [r["device"] for r in rs.to_dict()["reports"]] == ["cuda:0", "cuda:1"]
+
+
+def test_bars_span_mib_to_gib_with_totals_written_and_the_budget_as_a_line() -> None:
+    from memlab.reports.plot import plot_categories
+
+    small = {Category.PARAMETER: 3 * 1024**2}
+    big = {Category.PARAMETER: 2 * 1024**3, Category.ACTIVATION: 1024**3}
+    fig = plot_categories([small, big], budget=4 * 1024**3)
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "GiB at the peak"
+    written = [t.get_text() for t in ax.texts]
+    assert written == ["3.00 MiB", "3.00 GiB"]  # the small run is readable though its bar is not
+    budget = [line for line in ax.get_lines() if line.get_label() == "budget"]
+    assert budget and budget[0].get_ydata()[0] == 4.0
+    assert ax.get_ylim()[1] > 4.0  # the line is inside the plot
+
+
+def test_the_timeline_keeps_its_peak_inside_and_its_legend_outside() -> None:
+    r = cpu_report()
+    if r.timeline is None:
+        r = dataclasses.replace(
+            r,
+            timeline=Timeline(
+                (0.1, 0.2), (10 * 1024**2, 4 * 1024**2), ("forward",) * 2, "tensor accounting"
+            ),
+        )
+    fig = r.plot()
+    ax = fig.axes[0]
+    top = ax.get_ylim()[1]
+    peak = max(max(line.get_ydata()) for line in ax.get_lines())
+    assert peak < top
+    legend = ax.get_legend()
+    assert legend is not None and legend._bbox_to_anchor is not None  # placed beside the axes

@@ -40,6 +40,14 @@ def png(fig: Any, dpi: int = DPI) -> bytes:
     return buf.getvalue()
 
 
+def scale(largest: float) -> tuple[float, str]:
+    """(divisor, unit) that shows byte counts up to ``largest`` in 1 to 1023 of a binary unit."""
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if largest >= 1024**power:
+            return float(1024**power), unit
+    return 1.0, "B"
+
+
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         fig = ax.get_figure()
@@ -63,7 +71,8 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     fig, ax = _axes(ax, (7.0, 2.8))
     xs = [0.0, *tl.seconds, r.seconds]
     ys = [r.allocated_before, *tl.allocated, tl.allocated[-1]]
-    ax.step(xs, [mib(y) for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
+    div, unit = scale(max(r.peak_allocated, *ys))
+    ax.step(xs, [y / div for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
     start = 0
     for i in range(1, len(tl.phases) + 1):
         if i == len(tl.phases) or tl.phases[i] != tl.phases[start]:
@@ -71,8 +80,9 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
             if colour:
                 ax.axvspan(tl.seconds[start], xs[i + 1], color=colour, lw=0)
             start = i
-    ax.axhline(mib(r.peak_allocated), color="#b03a2e", ls="--", lw=0.8, label="peak")
-    ax.axhline(mib(r.allocated_before), color="#7f8c8d", ls=":", lw=0.8, label="before")
+    ax.axhline(r.peak_allocated / div, color="#b03a2e", ls="--", lw=0.8, label="peak")
+    ax.axhline(r.allocated_before / div, color="#7f8c8d", ls=":", lw=0.8, label="before")
+    ax.set_ylim(0, max(r.peak_allocated, *ys) / div * 1.08 or 1)  # the peak never at the edge
     for phase, colour in _PHASE_COLOURS.items():
         if phase in tl.phases:
             ax.axvspan(0, 0, color=colour, label=phase)
@@ -80,9 +90,10 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
         ax.set_xlabel("progress through the step (seconds of its meta-device run, not GPU time)")
     else:
         ax.set_xlabel("seconds since the region started")
-    ax.set_ylabel("MiB")
+    ax.set_ylabel(unit)
     ax.set_title(f"{r.device}{' · ' + r.label if r.label else ''} ({tl.source})", fontsize=10)
-    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    # beside the plot, never over the curve
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     return fig
 
 
@@ -165,13 +176,21 @@ def plot_history(
     return fig
 
 
-def plot_categories(at_peak: Sequence[Mapping[Category, int]], ax: Axes | None = None) -> Figure:
-    """Stacked bars: each run's bytes by category at its peak (runs numbered from 1)."""
+def plot_categories(
+    at_peak: Sequence[Mapping[Category, int]], ax: Axes | None = None, budget: int | None = None
+) -> Figure:
+    """Stacked bars: each run's bytes by category at its peak (runs numbered from 1), each
+    bar's total written on it (runs of MiB beside runs of GiB stay readable), and the budget as
+    a line."""
+    from memlab.reports.units import fmt_bytes
+
     fig, ax = _axes(ax, (5.5, 2.8))
     xs = list(range(1, len(at_peak) + 1))
+    totals = [sum(cats.values()) for cats in at_peak]
+    div, unit = scale(max([*totals, budget or 0, 1]))
     bottom = [0.0] * len(at_peak)
     for c in Category:
-        values = [mib(cats.get(c, 0)) for cats in at_peak]
+        values = [cats.get(c, 0) / div for cats in at_peak]
         if any(values):
             ax.bar(
                 xs,
@@ -181,8 +200,14 @@ def plot_categories(at_peak: Sequence[Mapping[Category, int]], ax: Axes | None =
                 label=c.value.replace("_", " "),
             )
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, total in zip(xs, totals, strict=True):
+        if total:
+            ax.annotate(fmt_bytes(total), (x, total / div), ha="center", va="bottom", fontsize=7)
+    if budget:
+        ax.axhline(budget / div, color="#b03a2e", ls="--", lw=0.9, label="budget")
+    ax.set_ylim(0, max([*totals, budget or 0, 1]) / div * 1.15)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("run")
-    ax.set_ylabel("MiB at the peak")
+    ax.set_ylabel(f"{unit} at the peak")
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
     return fig

@@ -197,10 +197,12 @@ class Comparison(Result):
         """Stacked bars: each run's bytes by category at its peak, numbered as in the table."""
         from memlab.reports.plot import plot_categories
 
+        budgets = [r.config.budget for r in self.results if r.config.budget]
         return plot_categories(
             [
                 r.report.breakdown.at_peak if r.report and r.report.breakdown else {}
                 for r in self.results
             ],
             ax,
+            budget=budgets[-1] if budgets else None,
         )
