@@ -233,3 +233,23 @@ def test_fake_tensor_capture() -> None:
         model, x = mlp()  # parameters and input are fake: nothing is allocated
         g = memlab.graph(model, x)
     assert g.activation_bytes == 32 * 128 * 4
+
+
+def test_a_real_model_s_graph_is_shown_module_by_module_by_default() -> None:
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    enc = torch.nn.Sequential(
+        torch.nn.Embedding(100, 64), torch.nn.TransformerEncoder(layer, 4), torch.nn.Linear(64, 100)
+    )
+    g = memlab.graph(enc, torch.randint(0, 100, (2, 16)))
+    assert len(g.nodes) > 200 and g.auto_depth() == 3  # one box per encoder layer
+    dot = g.dot(g.auto_depth())
+    # a Sequential's children carry their layer type: "0 (Embedding)", not a bare "0"
+    for name in ("0 (Embedding)", "1.layers.3 (TransformerEncoderLayer)", "2 (Linear)"):
+        assert name in dot
+    if shutil.which("dot"):
+        html = g._repr_mimebundle_()["text/html"]
+        assert "shown as one box per module 3 levels deep" in html and "g.view(depth=None)" in html
+        every = g.view(depth=None)._repr_mimebundle_()["text/html"]
+        assert "one box per module" not in every
+    small = memlab.graph(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert small.auto_depth() is None  # small graphs show every node

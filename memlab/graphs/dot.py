@@ -134,6 +134,7 @@ def to_dot(graph: Graph, depth: int | None = None, limit: int | None = MAX_DRAWN
         return text + (f"\n{len(fan_in[name])} inputs (edges not drawn)" if name in sinks else "")
 
     lines: dict[str, list[str]] = defaultdict(list)
+    types = dict(graph.module_types)
     for u, k in singles.items():
         name = f"{prefix}{u}"
         if depth is None:
@@ -141,7 +142,9 @@ def to_dot(graph: Graph, depth: int | None = None, limit: int | None = MAX_DRAWN
             lines[nodes[u].module].append(_node_line(nodes[u], heat, note(name, uses)))
         else:
             saved, count = totals[k]
-            label = f"{k or '(top level)'}\n{count} node{'s' * (count != 1)} · {fmt_bytes(saved)}"
+            kind = types.get(k)  # a Sequential's child "3" reads as "3 (Linear)"
+            title = f"{k} ({kind})" if k and kind else k or "(top level)"
+            label = f"{title}\n{count} node{'s' * (count != 1)} · {fmt_bytes(saved)}"
             tip = f"{k}: {saved:,} B saved by {count} autograd nodes"
             lines[""].append(
                 f"{name} [label={q(label + note(name, 0))}, fillcolor={q(heat.colour(saved))}, "

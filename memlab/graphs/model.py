@@ -132,8 +132,9 @@ class Graph(Result):
 
         return render_svg(self.dot(depth, limit))
 
-    def view(self, depth: int, limit: int | None = MAX_DRAWN) -> GraphView:
-        """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``."""
+    def view(self, depth: int | None, limit: int | None = MAX_DRAWN) -> GraphView:
+        """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``;
+        ``depth=None``: every node (what a small graph shows by default)."""
         return GraphView(self, depth, limit)
 
     def table_html(self, k: int = 10) -> str:
@@ -152,8 +153,21 @@ class Graph(Result):
         body = [head, table(["heaviest node", "module", "saved"], rows, "memlab-graph-table")]
         return "\n".join(body + [note(n) for n in self.notes])
 
+    def auto_depth(self) -> int | None:
+        """The module depth a notebook shows by default: every node for a small graph (None);
+        for a big one, the deepest module level that still makes at most `AUTO_BOXES` boxes."""
+        if len(self.nodes) <= AUTO_NODES or not any(n.module for n in self.nodes):
+            return None
+        deepest = max(n.module.count(".") + 1 for n in self.nodes if n.module)
+        best = 1
+        for depth in range(1, deepest + 1):
+            if len({module_at(n.module, depth) for n in self.nodes}) > AUTO_BOXES:
+                break
+            best = depth
+        return best
+
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        return _bundle(self, None)
+        return _bundle(self, self.auto_depth())
 
     def text(self) -> str:
         lines = [
@@ -168,7 +182,7 @@ class Graph(Result):
 @dataclass(frozen=True)
 class GraphView:
     graph: Graph
-    depth: int
+    depth: int | None
     limit: int | None = MAX_DRAWN
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
@@ -188,10 +202,23 @@ def module_at(path: str, depth: int | None) -> str:
     return ".".join(path.split(".")[:depth])
 
 
+#: Graphs with more nodes than this are shown module by module by default...
+AUTO_NODES = 80
+#: ...at the deepest level that makes at most this many boxes.
+AUTO_BOXES = 30
+
+
 def _bundle(graph: Graph, depth: int | None, limit: int | None = MAX_DRAWN) -> dict[str, Any]:
     from memlab.graphs.dot import DotMissingError, render_svg, to_dot
 
     table = graph.table_html()
+    if depth is not None and depth == graph.auto_depth():
+        said = (
+            f"{len(graph.nodes):,} autograd nodes, shown as one box per module {depth} "
+            f"level{'s' * (depth != 1)} deep; every node: g.view(depth=None) or g.svg(), "
+            "another level: g.view(depth=N)"
+        )
+        table = frame(note(said), graph.css) + table
     dot = to_dot(graph, depth, limit)
     try:
         svg = render_svg(dot)
