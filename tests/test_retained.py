@@ -100,3 +100,21 @@ def test_magic_names_the_leaking_variable(ip: Any) -> None:
     assert "<code>losses</code>" in html and "memlab-retained" in html
     assert ip.user_ns["leaks"].total == 3 * 32 * 128 * 4
     assert "-o NAME" in str(run(ip, "%gpumem_leaks --bogus").error_in_exec)
+
+
+def test_the_fix_has_no_literal_backticks_and_no_nested_brackets() -> None:
+    import re
+
+    from memlab.graphs.retained import Retained, RetainedReport
+
+    report = RetainedReport(
+        (Retained("loss", 4096, 3, 1, "loss"), Retained("losses", 8192, 6, 2, "losses[0]"))
+    )
+    text, html = str(report), report._repr_html_()
+    assert "`" not in text and "`" not in html
+    assert "<code>loss = loss.detach()</code>" in html and "<code>torch.no_grad()</code>" in html
+    for line in text.splitlines():  # no bracket opened inside another one
+        depth = 0
+        for ch in re.sub(r"\w\(\)", "", line):  # a call's own () is not a bracket of prose
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            assert depth <= 1, line

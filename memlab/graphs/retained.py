@@ -20,7 +20,17 @@ import torch
 from memlab.core.autograd import iter_nodes
 from memlab.graphs.saved import GraphFreedError, saved_tensors, storages
 from memlab.graphs.scan import Skipped, tensors_in
-from memlab.reports.frame import CELL, LEFT, heading, note, num_cell, table, text_cell
+from memlab.reports.frame import (
+    CELL,
+    LEFT,
+    code_cell,
+    heading,
+    note,
+    num_cell,
+    plain,
+    table,
+    text_cell,
+)
 from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
 
@@ -37,15 +47,15 @@ class Retained:
 
     @property
     def fix(self) -> str:
+        # code marked `like this`: <code> in HTML, plain in text
         if self.example != self.name:  # inside a container or an object
             return (
-                f"keep numbers or detached tensors in {self.name} (`loss.item()`, "
-                "`out.detach()`), or run the loop under `torch.no_grad()` / "
-                "`torch.inference_mode()`"
+                f"keep numbers or detached tensors in {self.name}: `loss.item()`, "
+                "`out.detach()`; or run the loop under `torch.no_grad()`"
             )
         return (
-            f"`{self.name} = {self.name}.detach()` (or `.item()` for a number), or compute it "
-            "under `torch.no_grad()` / `torch.inference_mode()`"
+            f"`{self.name} = {self.name}.detach()`, or `.item()` for a number; or compute it "
+            "under `torch.no_grad()`"
         )
 
 
@@ -89,8 +99,8 @@ class RetainedReport(Result):
         lines = [f"memlab: {fmt_bytes(self.total)} kept alive by autograd graphs in variables"]
         for i in self.items:
             lines.append(
-                f"  {i.name}: {fmt_bytes(i.bytes)} ({i.tensors} tensor(s) with a graph, "
-                f"{i.nodes} nodes, e.g. {i.example}); fix: {i.fix}"
+                f"  {i.name}: {fmt_bytes(i.bytes)} in {i.tensors} tensor(s) with a graph, "
+                f"{i.nodes} nodes, e.g. {i.example}; fix: {plain(i.fix)}"
             )
         return "\n".join(lines + notes)
 
@@ -106,7 +116,7 @@ class RetainedReport(Result):
             + num_cell(i.bytes, colour=True)
             + text_cell(str(i.tensors), CELL)
             + text_cell(str(i.nodes), CELL)
-            + text_cell(i.fix)
+            + code_cell(i.fix)
             for i in self.items
         ]
         head = ["variable", "kept alive", "tensors", "graph nodes", "fix"]

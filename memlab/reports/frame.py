@@ -58,6 +58,18 @@ def text_cell(text: str, style: str = LEFT) -> str:
     return f'<td style="{style}">{escape(text)}</td>'
 
 
+def code_cell(text: str, style: str = LEFT) -> str:
+    """A cell of text whose code is marked `like this`: escaped, the code in ``<code>``."""
+    parts = escape(text).split("`")
+    body = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    return f'<td style="{style}">{body}</td>'
+
+
+def plain(text: str) -> str:
+    """Text whose code is marked `like this`, as plain text (the marks dropped)."""
+    return text.replace("`", "")
+
+
 def table(head: list[str], rows: list[str], cls: str) -> str:
     """A compact table: ``rows`` are ``<td>`` strings (one string per row)."""
     th = "".join(f'<th style="{LEFT}">{escape(h)}</th>' for h in head)
