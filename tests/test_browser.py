@@ -261,7 +261,7 @@ def test_the_panel_compares_runs_with_the_python_apis_numbers(
     panel.wait_for()
     rows = panel.locator("table.memlab-runs tr")
     chart = panel.locator(".widget-image").first
-    status = panel.locator(".widget-html").first
+    status = panel.locator(".memlab-status").first
 
     def press_run(expect_rows: int) -> None:
         before = chart.get_attribute("src")

@@ -67,6 +67,7 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     self.custom_gib.observe(lambda _: self._follow_gpu(), names="value")
     self.budget.observe(self._budget_typed, names="value")
     self.limit = w.HTML()
+    self.limit.add_class("memlab-limit")
     fit = w.Layout(width="auto")  # buttons as wide as their labels
     self.run_button = w.Button(description="Run", button_style="primary", icon="play", layout=fit)
     self.fit_button = w.Button(description="Largest batch that fits", icon="search", layout=fit)
@@ -81,6 +82,7 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     )
     self.clear_button.on_click(lambda _: self.clear())
     self.status = w.HTML()
+    self.status.add_class("memlab-status")  # the line that says what happened
     self.table = w.HTML()
     self.chart = w.Image(format="png", layout=w.Layout(display="none"))  # shown when drawn
     self.timeline = w.Image(format="png", layout=w.Layout(display="none"))
