@@ -230,3 +230,90 @@ class Notebook:
                 ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
             ).all_inner_texts()
         )
+
+
+# -- settings and colours (appended for tests/test_browser_product.py) -----------------------------
+THEMES = "@jupyterlab/apputils-extension/themes"
+
+
+def write_setting(server: LabServer, plugin: str, values: dict[str, Any]) -> None:
+    """Override ``plugin``'s settings (``"@scope/package/name"``) in ``server``'s settings folder,
+    the way `LabServer.start` sets its own. JupyterLab reads the file when a page loads, so it
+    applies to pages opened afterwards; a running server needs no restart."""
+    package, name = plugin.rsplit("/", 1)
+    folder = server.home / "settings" / package
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
+
+
+#: Given a root element, every visible piece of text under it with its colour and the colour it
+#: is drawn on, both as opaque [r, g, b] (translucent colours composited over what lies below;
+#: CSS colours of any syntax normalised through a canvas). SVG text (graphviz) is drawn on its
+#: node's fill, else on the graph's background polygon.
+TEXT_COLOURS_JS = """
+root => {
+  const canvas = document.createElement("canvas");
+  canvas.width = canvas.height = 1;
+  const ctx = canvas.getContext("2d", {willReadFrequently: true});
+  const rgba = css => {
+    if (!css || css === "none" || css === "transparent") return [0, 0, 0, 0];
+    ctx.clearRect(0, 0, 1, 1);
+    ctx.fillStyle = "rgba(0, 0, 0, 0)";
+    ctx.fillStyle = css;
+    ctx.fillRect(0, 0, 1, 1);
+    const d = ctx.getImageData(0, 0, 1, 1).data;
+    return [d[0], d[1], d[2], d[3] / 255];
+  };
+  const over = (top, below) =>
+    [0, 1, 2].map(i => top[i] * top[3] + below[i] * (1 - top[3])).concat([1]);
+  const htmlBackground = el => {
+    const layers = [];
+    for (let e = el; e; e = e.parentElement) {
+      const c = rgba(getComputedStyle(e).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = [255, 255, 255, 1];
+    for (let i = layers.length - 1; i >= 0; i--) bg = over(layers[i], bg);
+    return bg;
+  };
+  const svgBackground = t => {
+    const node = t.closest("g.node");
+    const shape = node && node.querySelector("polygon, path, ellipse");
+    if (shape && rgba(getComputedStyle(shape).fill)[3] > 0)
+      return over(rgba(getComputedStyle(shape).fill), svgBackground(node.parentElement));
+    const svg = t.closest("svg");
+    const page = htmlBackground(svg.parentElement);
+    const poly = svg.querySelector("g.graph > polygon");
+    return poly ? over(rgba(getComputedStyle(poly).fill), page) : page;
+  };
+  const out = [];
+  for (const el of [root, ...root.querySelectorAll("*")]) {
+    const own = [...el.childNodes]
+      .filter(n => n.nodeType === Node.TEXT_NODE).map(n => n.textContent).join("").trim();
+    if (!own || !el.getClientRects().length) continue;
+    const style = getComputedStyle(el);
+    if (style.visibility === "hidden" || style.display === "none") continue;
+    const svgText = el instanceof SVGElement;
+    const bg = svgText ? svgBackground(el) : htmlBackground(el);
+    const fg = over(rgba(svgText ? style.fill : style.color), bg);
+    out.push({
+      text: own.slice(0, 80), tag: el.tagName.toLowerCase(),
+      cell: !!el.closest("td"), fg: fg.slice(0, 3), bg: bg.slice(0, 3),
+      weight: style.fontWeight, size: style.fontSize,
+    });
+  }
+  return out;
+}
+"""
+
+
+def contrast(a: list[float], b: list[float]) -> float:
+    """WCAG's contrast ratio of two opaque sRGB colours (1 to 21)."""
+
+    def luminance(c: list[float]) -> float:
+        lin = [(v / 255) / 12.92 if v / 255 <= 0.04045 else ((v / 255 + 0.055) / 1.055) ** 2.4
+               for v in c]  # fmt: skip
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
