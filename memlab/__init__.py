@@ -41,12 +41,20 @@ __all__ = [
 ]
 
 
+#: Parts of memlab reachable as attributes after ``import memlab``, imported when first used.
+_SUBPACKAGES = ("whatif", "step", "estimate", "panel", "examples", "graphs", "reports", "course")
+
+
 def __getattr__(name: str) -> Any:
     # The panel needs ipywidgets and matplotlib: imported when first asked for, not with memlab.
     if name == "Explorer":
         from memlab.panel import Explorer
 
         return Explorer
+    if name in _SUBPACKAGES:  # memlab.whatif.run(...) after a plain `import memlab`
+        import importlib
+
+        return importlib.import_module(f"memlab.{name}")
     raise AttributeError(f"module 'memlab' has no attribute {name!r}")
 
 

@@ -29,6 +29,8 @@ from jupyterlab_driver import (
     wait_for,
 )
 
+from memlab.reports.frame import GROW
+
 ROOT = Path(__file__).parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
@@ -209,7 +211,7 @@ def test_the_report_renders_under_the_cell_with_the_bytes_it_allocated(
     exact = report.locator('td[title="4,000,000 B"]')
     assert exact.all_inner_texts() == ["3.81 MiB", "+3.81 MiB", "3.81 MiB", "+3.81 MiB"]
     change = exact.nth(1)  # after, change, peak, peak − before
-    assert change.evaluate("e => getComputedStyle(e).color") == rgb("#b03a2e")
+    assert change.evaluate("e => getComputedStyle(e).color") == rgb(GROW)
     keep(cell, "magic-report.png", request)
 
     # an exception: the report, then the traceback, both under the cell

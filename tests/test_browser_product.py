@@ -372,7 +372,8 @@ def test_the_panel_draws_and_reads_in_the_theme(
     table = panel.locator(".memlab-comparison")
     head = table.locator("table.memlab-runs tr").first.inner_text()
     assert "before the step" in head
-    assert "before the step: memory already allocated" in table.inner_text()  # the note under it
+    said = "before the step: what was allocated when the measured step began"
+    assert said in table.inner_text()  # the note under it
     assert images_drawn(panel) == 2  # the bars and the timeline
     area = nb.cell(0).locator(".jp-OutputArea-output").first.bounding_box()
     assert area is not None
@@ -506,9 +507,6 @@ def test_a_loss_with_targets_runs_through_step_fn(
     keep(panel, "product-targets-panel.png", request)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="memlab.__getattr__ loads Explorer only: memlab.whatif needs its own import"
-)
 def test_the_readmes_memlab_whatif_run_works_after_import_memlab() -> None:
     """The README calls ``memlab.whatif.run(...)`` with only ``import memlab`` in sight."""
     code = "import memlab; memlab.whatif.run"
@@ -550,38 +548,19 @@ def measured(key: str) -> list[Any]:
     return MEASURED[key]
 
 
-@pytest.mark.xfail(
-    reason="the panel's bar chart (440 px) and timeline (560 px) sit side by side in one HBox "
-    "(memlab/panel/controls.py, build_controls): 1,000 px and more, wider than a notebook's output "
-    "area in a 1280 px window with the file browser open; the timeline's right end and its legend "
-    "are cut off"
-)
-def test_known_the_panels_pictures_fit_the_output_area() -> None:
+def test_the_panels_pictures_fit_the_output_area() -> None:
     assert not measured("overflow"), measured("overflow")
 
 
-@pytest.mark.xfail(
-    reason="GROW (#b03a2e, memlab/reports/frame.py) on JupyterLab Dark's striped table rows "
-    "(#212121) has a contrast of 2.7: the growth figures in reports and the panel's table"
-)
-def test_known_coloured_figures_read_in_the_dark_theme() -> None:
+def test_coloured_figures_read_in_the_dark_theme() -> None:
     assert not measured("faint figures"), measured("faint figures")
 
 
-@pytest.mark.xfail(
-    reason="a report's heading wraps its subtitle in brackets (memlab/reports/frame.py, heading) "
-    "and the CPU's subtitle has its own (memlab/reports/layout.py): '(tensor accounting (exact "
-    "bytes of tensor storages memlab saw))'"
-)
-def test_known_no_nested_brackets_in_reports() -> None:
+def test_no_nested_brackets_in_reports() -> None:
     assert not measured("nested brackets"), measured("nested brackets")
 
 
-@pytest.mark.xfail(
-    reason="the graph's SVG is scaled down to the output area's width: a 2-layer encoder's "
-    "module boxes are labelled in text a few pixels high"
-)
-def test_known_a_real_models_graph_labels_are_large_enough() -> None:
+def test_a_real_models_graph_labels_are_large_enough() -> None:
     sizes = measured("graph text px")
     assert sizes
     small = [(name, px) for name, px in sizes if px["median"] < MIN_TEXT_PX]

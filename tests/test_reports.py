@@ -9,6 +9,7 @@ import pytest
 
 from memlab import Breakdown, Category, MemoryReport, Reports, Timeline
 from memlab.core.cuda import DriverView
+from memlab.reports.frame import GROW
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
 MiB = 1024**2
@@ -103,7 +104,7 @@ def test_html_golden(golden: Any) -> None:
 
 def test_html_highlights_growth_and_shows_exact_bytes() -> None:
     html = cuda_report()._repr_html_()
-    assert "#b03a2e" in html  # growth in red
+    assert GROW in html  # growth in red
     assert 'title="134,217,728 B"' in html  # exact delta on hover
     shrink = cuda_report(allocated_after=0)._repr_html_()
     assert "#1e8449" in shrink

@@ -205,7 +205,7 @@ def module_at(path: str, depth: int | None) -> str:
 #: Graphs with more nodes than this are shown module by module by default...
 AUTO_NODES = 80
 #: ...at the deepest level that makes at most this many boxes.
-AUTO_BOXES = 30
+AUTO_BOXES = 12
 
 
 def _bundle(graph: Graph, depth: int | None, limit: int | None = MAX_DRAWN) -> dict[str, Any]:

@@ -84,8 +84,10 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     self.status = w.HTML()
     self.status.add_class("memlab-status")  # the line that says what happened
     self.table = w.HTML()
-    self.chart = w.Image(format="png", layout=w.Layout(display="none"))  # shown when drawn
-    self.timeline = w.Image(format="png", layout=w.Layout(display="none"))
+    self.chart = w.Image(
+        format="png", layout=w.Layout(display="none", max_width="100%")
+    )  # shown when drawn
+    self.timeline = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
     return w.VBox(
         [
             w.HBox(
@@ -107,7 +109,8 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
             w.HBox([self.run_button, self.fit_button, self.clear_button, self.cancel_button]),
             self.status,
             self.table,
-            w.HBox([self.chart, self.timeline]),
+            # side by side where they fit, one under the other where they do not
+            w.Box([self.chart, self.timeline], layout=w.Layout(flex_flow="row wrap")),
         ]
     )
 

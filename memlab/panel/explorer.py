@@ -116,8 +116,9 @@ class Explorer(BudgetLimit):
             done = f"ran {result.config.describe()}"
             if result.predicted_for:
                 done = f"predicted {result.config.describe()} on {result.predicted_for}"
+            self._progress(f"drawing {result.config.describe()}")
+            self._redraw()  # the charts first: "ran" means everything is there
             self._say(result.error or done, bool(result.oom))
-            self._redraw()
         return result
 
     @property
@@ -193,8 +194,8 @@ class Explorer(BudgetLimit):
         if best == 0:
             self._say(f"not even a batch of {step} fits in {budget}{cancelled}", True)
             return 0
-        self.batch_size.value = best
-        if not self._work.cancelled:
+        if not self._work.cancelled:  # a cancelled search leaves the batch size as it was
+            self.batch_size.value = best
             self.run()
         limit = f" (the search stops at {MAX_BATCH:,})" if best * 2 > MAX_BATCH else ""
         self._say(f"largest batch that fits in {budget}: {best:,}{limit}{cancelled}")

@@ -14,7 +14,9 @@ from memlab.reports.units import fmt_bytes
 
 #: Growth in red, shrinking in green, no change in grey: dark enough on white, light enough on
 #: a dark theme for bold figures.
-GROW, SHRINK, FLAT = "#b03a2e", "#1e8449", "#7f8c8d"
+#: Growth, shrinking, no change: colours that read on JupyterLab's light and dark backgrounds
+#: alike (contrast 3.7 or more on white and on the dark theme's #212121).
+GROW, SHRINK, FLAT = "#d9463b", "#1e8449", "#7f8c8d"
 MUTED = "var(--jp-content-font-color2,#888)"
 #: Cell styles shared by every memlab table. Explicit alignment: JupyterLab right-aligns cells.
 CELL = "padding:1px 8px;text-align:right;font-variant-numeric:tabular-nums"

@@ -56,7 +56,7 @@ def layout(r: MemoryReport) -> Layout:
     elif r.source == Source.ESTIMATE:
         subtitle = "PREDICTED: a meta-device run replayed through a model of the CUDA allocator"
     else:
-        subtitle = "tensor accounting (exact bytes of tensor storages memlab saw)"
+        subtitle = "tensor accounting: exact bytes of the tensor storages memlab saw"
     rows = [Row("allocated", r.allocated_before, r.allocated_after, r.peak_allocated)]
     if r.reserved_before is not None:
         rows.append(Row("reserved", r.reserved_before, r.reserved_after, r.peak_reserved))

@@ -25,8 +25,9 @@ EMPTY = "memlab: no runs yet."
 HEAD = ["run", "configuration", "peak", "before the step", "vs baseline", "activations", "time", ""]
 #: What the "before the step" column means, said under the table.
 BEFORE = (
-    "before the step: memory already allocated when the step began (your own tensors, "
-    "optimizers and outputs from earlier cells, other models); the peak includes it"
+    "before the step: what was allocated when the measured step began: the model's weights, "
+    "the optimizer state of the warm-up step, and anything else alive (your own tensors and "
+    "outputs from earlier cells, other models); the peak includes it"
 )
 
 
