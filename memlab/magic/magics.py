@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Container
 from typing import Any
 
-import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import Image, display
@@ -22,37 +20,12 @@ from memlab.magic.args import (
 )
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
+from memlab.magic.namespace import watchable
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.plot import png
 from memlab.reports.report import MemoryReport, Reports
 from memlab.reports.units import fmt_bytes, fmt_seconds
-
-_WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
-
-
-#: Containers longer than this are not looked into (the scan runs at every tracked cell).
-MAX_SCAN = 1000
-_CONTAINERS = (list, tuple, dict)
-_SKIP = frozenset({str, int, float, bool, type(None), type, type(len), type(lambda: 0)})
-
-
-def watchable(ns: dict[str, Any], hidden: Container[str] = ()) -> list[Any]:
-    """The notebook's tensors, modules and optimizers, and those directly inside its lists,
-    tuples and dicts (short ones, not IPython's own In and Out). IPython adds a name per input
-    (``_i42``), so this runs over thousands of names: the common case costs one isinstance."""
-    found: list[Any] = []
-    for name, value in list(ns.items()):
-        kind = type(value)  # type(), never isinstance: a proxy's __class__ may raise
-        if kind in _SKIP:  # IPython's input history is thousands of strings
-            continue
-        if issubclass(kind, _WATCHED):
-            found.append(value)
-        elif kind in _CONTAINERS and name[:1] != "_" and name not in hidden:
-            items = value.values() if kind is dict else value
-            if len(items) <= MAX_SCAN:
-                found.extend(v for v in items if issubclass(type(v), _WATCHED))
-    return found
 
 
 def cell_number(shell: Any) -> int:
