@@ -250,3 +250,9 @@ def test_no_empty_image_is_shown() -> None:
     assert ex.chart.layout.display == "" and ex.chart.value
     ex.clear()
     assert ex.chart.layout.display == "none" and ex.timeline.layout.display == "none"
+
+
+def test_the_status_line_as_plain_text() -> None:
+    ex = explorer()
+    ex.run()
+    assert ex.message == "ran train, batch 64, adam" and "<div" in ex.status.value

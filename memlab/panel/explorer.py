@@ -228,7 +228,15 @@ class Explorer(BudgetLimit):
         self._work.said()
         self._write(text, problem)
 
+    @property
+    def message(self) -> str:
+        """What the status line says now, as plain text."""
+        return self._message
+
+    _message = ""
+
     def _write(self, text: str, problem: bool = False) -> None:
+        self._message = text
         style = f"color:{GROW};font-size:12px" if problem else MUTED
         self.status.value = f'<div style="{style}">{escape(text)}</div>'
 

@@ -48,6 +48,25 @@ def scale(largest: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
+#: Text, ticks and frames of every figure: a grey that reads on JupyterLab's light and dark
+#: backgrounds alike (contrast 4.5 on white, 3.6 on the dark theme's #212121), on a transparent
+#: background, so that a plot follows the notebook's theme.
+INK = "#777777"
+
+
+def _themed(fig: Figure) -> Figure:
+    from matplotlib.text import Text
+
+    for ax in fig.axes:
+        ax.set_facecolor("none")
+        ax.tick_params(colors=INK)
+        for spine in ax.spines.values():
+            spine.set_edgecolor(INK)
+    for text in fig.findobj(Text):
+        text.set_color(INK)
+    return fig
+
+
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         fig = ax.get_figure()
@@ -57,7 +76,7 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     import matplotlib.pyplot  # noqa: F401
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=size, layout="constrained")
+    fig = Figure(figsize=size, layout="constrained", facecolor="none")
     return fig, fig.add_subplot()
 
 
@@ -94,7 +113,7 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     ax.set_title(f"{r.device}{' · ' + r.label if r.label else ''} ({tl.source})", fontsize=10)
     # beside the plot, never over the curve
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    return fig
+    return _themed(fig)
 
 
 #: A history plot draws at most this many points per line, and this many x labels.
@@ -173,7 +192,7 @@ def plot_history(
             fontsize=8,
         )
     ax.legend(loc="upper left", fontsize=8, frameon=False)
-    return fig
+    return _themed(fig)
 
 
 def plot_categories(
@@ -210,4 +229,4 @@ def plot_categories(
     ax.set_xlabel("run")
     ax.set_ylabel(f"{unit} at the peak")
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
-    return fig
+    return _themed(fig)
