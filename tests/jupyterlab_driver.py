@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,3 +317,49 @@ def contrast(a: list[float], b: list[float]) -> float:
 
     hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
     return (hi + 0.05) / (lo + 0.05)
+
+
+# -- the browser, and what a failed test leaves -----------------------------------------------
+def chromium(profile: Path) -> Iterator[Any]:
+    """A headless Chromium context (Playwright) on a fresh profile; for a module fixture."""
+    if not Path(CHROMIUM).exists():
+        raise RuntimeError(
+            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
+            "scripts/test.sh does this when run as root"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(profile),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 1000},
+        )
+        context.set_default_timeout(30_000)
+        yield context
+        context.close()
+
+
+def watched_page(
+    browser: Any, lab: LabServer, node: Any, artifacts: Path, prefix: str = ""
+) -> Iterator[Any]:
+    """A new page; if the test (``node``) failed, its screenshot, the server log and the browser
+    console go to ``artifacts`` (names start with ``prefix``). For a test fixture."""
+    page = browser.new_page()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+    yield page
+    report = getattr(node, "rep_call", None)
+    if report is not None and report.failed:
+        name = prefix + re.sub(r"[^\w.-]+", "_", node.name)
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shot = artifacts / f"{name}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        (artifacts / f"{name}.server.log").write_text(lab.log(tail=200_000))
+        (artifacts / f"{name}.console.log").write_text("\n".join(console))
+        print(f"screenshot: {shot}\nserver log ({lab.log_path}), last lines:\n{lab.log(3000)}")
+        print("browser console, last lines:\n" + "\n".join(console[-30:]))
+    page.close()
+    lab.shutdown_kernels()

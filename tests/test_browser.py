@@ -11,7 +11,6 @@ them to docs/screenshots/, which the README shows).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,12 +20,12 @@ from typing import Any
 import nbformat
 import pytest
 from jupyterlab_driver import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
     DONE_PROMPT,
     LabServer,
     Notebook,
+    chromium,
     wait_for,
+    watched_page,
 )
 
 from memlab.reports.frame import GROW
@@ -136,44 +135,15 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
-            "scripts/test.sh does this when run as root"
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium")),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1280, "height": 1000},
-        )
-        context.set_default_timeout(30_000)
-        yield context
-        context.close()
+    try:
+        yield from chromium(tmp_path_factory.mktemp("chromium"))
+    except RuntimeError as e:  # Chromium missing: a failure that says how to get it
+        pytest.fail(str(e))
 
 
 @pytest.fixture
 def page(browser: Any, lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    page = browser.new_page()
-    console: list[str] = []
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
-    yield page
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        name = re.sub(r"[^\w.-]+", "_", request.node.name)
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shot = ARTIFACTS / f"{name}.png"
-        page.screenshot(path=str(shot), full_page=True)
-        (ARTIFACTS / f"{name}.server.log").write_text(lab.log(tail=200_000))
-        (ARTIFACTS / f"{name}.console.log").write_text("\n".join(console))
-        print(f"screenshot: {shot}\nserver log ({lab.log_path}), last lines:\n{lab.log(3000)}")
-        print("browser console, last lines:\n" + "\n".join(console[-30:]))
-    page.close()
-    lab.shutdown_kernels()
+    yield from watched_page(browser, lab, request.node, ARTIFACTS, "")
 
 
 def keep(element: Any, name: str, request: pytest.FixtureRequest) -> None:

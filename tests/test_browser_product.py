@@ -28,14 +28,14 @@ from typing import Any
 import nbformat
 import pytest
 from jupyterlab_driver import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
     TEXT_COLOURS_JS,
     THEMES,
     LabServer,
     Notebook,
+    chromium,
     contrast,
     wait_for,
+    watched_page,
     write_setting,
 )
 
@@ -176,44 +176,15 @@ def measurements() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium); "
-            "scripts/test.sh does this when run as root"
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium")),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1280, "height": 1000},
-        )
-        context.set_default_timeout(30_000)
-        yield context
-        context.close()
+    try:
+        yield from chromium(tmp_path_factory.mktemp("chromium"))
+    except RuntimeError as e:  # Chromium missing: a failure that says how to get it
+        pytest.fail(str(e))
 
 
 @pytest.fixture
 def page(browser: Any, lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    page = browser.new_page()
-    console: list[str] = []
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
-    yield page
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        name = re.sub(r"[^\w.-]+", "_", request.node.name)
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shot = ARTIFACTS / f"product-failed-{name}.png"
-        page.screenshot(path=str(shot), full_page=True)
-        (ARTIFACTS / f"product-failed-{name}.server.log").write_text(lab.log(tail=200_000))
-        (ARTIFACTS / f"product-failed-{name}.console.log").write_text("\n".join(console))
-        print(f"screenshot: {shot}\nserver log ({lab.log_path}), last lines:\n{lab.log(3000)}")
-        print("browser console, last lines:\n" + "\n".join(console[-30:]))
-    page.close()
-    lab.shutdown_kernels()
+    yield from watched_page(browser, lab, request.node, ARTIFACTS, "product-failed-")
 
 
 def open_in(page: Any, lab: LabServer, name: str, theme: str = LIGHT) -> Notebook:
