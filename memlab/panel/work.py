@@ -54,7 +54,10 @@ class Work:
             c.disabled = True
         self.cancel_button.layout.display = ""
         self._tell()
-        self._thread = threading.Thread(target=self._main, args=(fn,), name="memlab-panel")
+        # a daemon: a kernel shut down mid-search does not wait for it
+        self._thread = threading.Thread(
+            target=self._main, args=(fn,), name="memlab-panel", daemon=True
+        )
         self._thread.start()
         threading.Thread(target=self._ticker, name="memlab-panel-ticker", daemon=True).start()
         return True
