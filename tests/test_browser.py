@@ -102,8 +102,10 @@ g = memlab.graph(model, torch.randn(32, 64))
 g""",
     "g.view(depth=1)",
     "import json\n"
+    "kinds = dict(g.module_types)  # a box reads '0 (Sequential)'\n"
     "print(json.dumps({'nodes': [f'{n.op} {fmt_bytes(n.bytes)}' for n in g.nodes if n.bytes],\n"
-    "                  'modules': [[k, f\"{c} node{'s' * (c != 1)} · {fmt_bytes(b)}\"]\n"
+    "                  'modules': [[f'{k} ({kinds[k]})',\n"
+    "                               f\"{c} node{'s' * (c != 1)} · {fmt_bytes(b)}\"]\n"
     "                              for k, (b, c) in g.by_module(1).items() if k]}))",
 )
 

@@ -154,3 +154,18 @@ def test_an_interrupt_while_settling_finishes_the_books_then_reaches_the_caller(
         ledger.total("cpu")
     assert ledger.total("cpu") == 0 and len(ledger) == 0  # every free taken, once
     assert sorted(listener.freed) == [40, 80, 120]  # the interrupted one told again, once
+
+
+def test_an_event_half_logged_when_ctrl_c_came_does_not_break_the_report() -> None:
+    from memlab.core.recorder import Recorder
+
+    ledger = Ledger()
+    rec = Recorder(ledger, "cpu", True, lambda: 0)
+    rec.start()
+    t = torch.ones(10)
+    ledger.produced(t, t.untyped_storage(), 0.0)
+    rec._serials.append(99)  # as if interrupted between the event arrays' appends
+    tally = rec.tally(breakdown=True)
+    rec.stop()
+    assert tally.totals is not None and list(tally.totals) == [40]
+    del t

@@ -135,6 +135,7 @@ class Recorder:
         after = self.ledger.total(self.device)
         if not self.keep_events:
             return Tally(self.before, after, self.peak, None, None, None, None, None, None)
+        self._trim()
         at_peak = at_end = highest = None
         if breakdown:
             at_peak, at_end, highest = self._categories(used)
@@ -149,6 +150,14 @@ class Recorder:
                 times.append(self._times[i])
                 phases.append(self._phases[i])
         return Tally(self.before, after, self.peak, at_peak, at_end, highest, times, totals, phases)
+
+    def _trim(self) -> None:
+        """Drops an event a Ctrl-C cut off half-logged (the event arrays appended one by one):
+        the arrays keep their common length, so an interrupted region's report still builds."""
+        logs = (self._serials, self._deltas, self._kinds, self._times, self._phases)
+        n = min(len(a) for a in logs)
+        for a in logs:
+            del a[n:]
 
     def _categories(
         self, used: Collection[int]

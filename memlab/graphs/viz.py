@@ -65,8 +65,6 @@ def make_dot(
             tip = f"{name}: {node.bytes:,} B saved for backward (each storage counted once)"
             dot.node(str(id(fn)), label=label, tooltip=tip)
     total = graph.activation_bytes
-    dot.attr(
-        label=f"{fmt_bytes(total)} saved for backward ({total:,} B), by memlab", labelloc="t"
-    )
+    dot.attr(label=f"{fmt_bytes(total)} saved for backward ({total:,} B), by memlab", labelloc="t")
     dot.memlab_graph = graph  # the figures behind the labels
     return dot
