@@ -175,3 +175,14 @@ def ip(_shell: tuple[Any, Recorded]) -> Iterator[Any]:
 def run(ip: Any, source: str) -> Any:
     """Run a cell as a notebook would (stored in history, so Out[n] and _ work)."""
     return ip.run_cell(source, store_history=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Headless Chromium for the browser tests (one per test module)."""
+    from jupyterlab_driver import chromium
+
+    try:
+        yield from chromium(tmp_path_factory.mktemp("chromium"))
+    except RuntimeError as e:  # Chromium missing: a failure that says how to get it
+        pytest.fail(str(e))

@@ -23,7 +23,6 @@ from jupyterlab_driver import (
     DONE_PROMPT,
     LabServer,
     Notebook,
-    chromium,
     wait_for,
     watched_page,
 )
@@ -133,14 +132,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     server.start()
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        yield from chromium(tmp_path_factory.mktemp("chromium"))
-    except RuntimeError as e:  # Chromium missing: a failure that says how to get it
-        pytest.fail(str(e))
 
 
 @pytest.fixture

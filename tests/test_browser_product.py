@@ -32,7 +32,6 @@ from jupyterlab_driver import (
     THEMES,
     LabServer,
     Notebook,
-    chromium,
     contrast,
     wait_for,
     watched_page,
@@ -172,14 +171,6 @@ def measurements() -> Iterator[None]:
     yield
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "product-measured.json").write_text(json.dumps(MEASURED, indent=1))
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        yield from chromium(tmp_path_factory.mktemp("chromium"))
-    except RuntimeError as e:  # Chromium missing: a failure that says how to get it
-        pytest.fail(str(e))
 
 
 @pytest.fixture
