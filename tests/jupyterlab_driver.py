@@ -363,3 +363,14 @@ def watched_page(
         print("browser console, last lines:\n" + "\n".join(console[-30:]))
     page.close()
     lab.shutdown_kernels()
+
+
+def notebook(path: Path, *cells: str) -> None:
+    """Write a notebook of code ``cells`` (no outputs) for a test to open."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = spec
+    nbformat.write(nb, path)

@@ -23,6 +23,7 @@ from jupyterlab_driver import (
     DONE_PROMPT,
     LabServer,
     Notebook,
+    notebook,
     wait_for,
     watched_page,
 )
@@ -37,14 +38,6 @@ SCREENSHOTS = ROOT / "docs" / "screenshots"
 COURSE = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.startswith("00-"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-
-def notebook(path: Path, *cells: str) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["kernelspec"] = spec
-    nbformat.write(nb, path)
 
 
 # -- the notebooks the tests drive ---------------------------------------------------------------

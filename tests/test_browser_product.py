@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
 from jupyterlab_driver import (
     TEXT_COLOURS_JS,
@@ -33,6 +32,7 @@ from jupyterlab_driver import (
     LabServer,
     Notebook,
     contrast,
+    notebook,
     wait_for,
     watched_page,
     write_setting,
@@ -48,18 +48,9 @@ READABLE = 3.0
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-#: What the tests above measured that the known-problem tests at the end of the file judge: the
-#: drawing tests stay green on what works, and each known problem shows as its own XFAIL (an
-#: XPASS once fixed). Keys: "overflow", "faint figures", "graph text px".
+#: What the drawing tests measured, judged by the tests at the end of the file (each problem
+#: found by looking once has its own test). Keys: "overflow", "faint figures", "graph text px".
 MEASURED: dict[str, list[Any]] = {}
-
-
-def notebook(path: Path, *cells: str) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    spec = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["kernelspec"] = spec
-    nbformat.write(nb, path)
 
 
 # -- the notebooks the tests drive ---------------------------------------------------------------
@@ -503,7 +494,7 @@ def test_the_report_and_a_real_models_graph_read_in_the_dark_theme(
         keep(graph.locator(".jp-OutputArea"), name, request)
 
 
-# -- known problems, measured above ---------------------------------------------------------------
+# -- problems once seen, measured above -----------------------------------------------------------
 def measured(key: str) -> list[Any]:
     if key not in MEASURED:  # the test that measures it did not run, or failed first
         pytest.skip(f"nothing measured for {key!r}: run the whole file")
