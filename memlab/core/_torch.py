@@ -83,6 +83,13 @@ def has_meta_kernel(op_name: str) -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op_name}", "Meta"))
 
 
+def has_kernel(op_name: str, key: str) -> bool:
+    """Whether ``aten::<op_name>`` (an overload as ``name.overload``) has a kernel for the
+    dispatch key ``key`` ("AutocastCUDA": whether CUDA's autocast casts at that op, or lets
+    the op's composite run). Checked 2.13."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op_name}", key))
+
+
 def destroy_library(library: torch.library.Library) -> None:
     """Removes the kernels a ``torch.library.Library`` registered (there is no public call).
     Checked 2.4.1, 2.11, 2.13."""

@@ -147,8 +147,9 @@ PROMOTE = [
     "tensordot",
     "scatter_add",
 ]
-#: Python functions that reach listed operations only in C++: cast as the operation they are.
-COMPOSITES = {"cross_entropy": "float32", "interpolate": "float32"}
+#: Python functions that reach listed operations only in C++: cast as the operation they are,
+#: or ("composite") run as the C++ composite runs under CUDA's autocast.
+COMPOSITES = {"cross_entropy": "composite", "interpolate": "float32"}
 
 #: The 16-bit floating-point types autocast casts to.
 HALF = (torch.float16, torch.bfloat16)
@@ -198,7 +199,58 @@ def _floats(args: Any) -> list[torch.Tensor]:
     return found
 
 
+def _cross_entropy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``F.cross_entropy`` as CUDA runs it under autocast: ``aten::cross_entropy_loss`` has no
+    autocast kernel on CUDA (it has one on the CPU), so its composite runs: ``log_softmax`` with
+    the input's own dtype (an explicit dtype, which autocast keeps: 16-bit log-probabilities),
+    then ``nll_loss``, on the float32 list, on a float32 copy of them. Class-index targets
+    without label smoothing; other forms cast to float32 first, as before."""
+
+    def cross_entropy(
+        input: Any,
+        target: Any,
+        weight: Any = None,
+        size_average: Any = None,
+        ignore_index: int = -100,
+        reduce: Any = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> Any:
+        region = _region()
+        plain = (
+            region is None
+            or region.inside_op
+            or not isinstance(input, torch.Tensor)
+            or not isinstance(target, torch.Tensor)
+            or input.dtype not in HALF
+            or target.is_floating_point()
+            or label_smoothing
+            or size_average is not None
+            or reduce is not None
+        )
+        if plain:
+            as_float32 = _wrap(original, "float32")
+            return as_float32(
+                input,
+                target,
+                weight,
+                size_average,
+                ignore_index,
+                reduce,
+                reduction,
+                label_smoothing,
+            )
+        log_p = torch.log_softmax(input, 0 if input.dim() == 1 else 1, dtype=input.dtype)
+        return F.nll_loss(log_p, target, weight, ignore_index=ignore_index, reduction=reduction)
+
+    cross_entropy.__wrapped__ = original  # type: ignore[attr-defined]
+    return cross_entropy
+
+
 def _wrap(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    if policy == "composite":
+        return _cross_entropy(original)
+
     def autocast_op(*args: Any, **kwargs: Any) -> Any:
         region = _region()
         if region is None or region.inside_op:

@@ -33,6 +33,7 @@ from memlab.estimate.redirect import (
     build_on_meta,
     data_dependent,
     meta_device_module,
+    ordinary_inputs,
     redirected,
 )
 from memlab.estimate.result import Estimate
@@ -109,6 +110,7 @@ def estimate(
     step_on_meta = None if step_fn is None else _on_meta(step_fn)
 
     ledger = default_ledger()
+    assumed: list[str] = []  # what library value checks took for granted on meta
 
     def measuring(moment: str) -> None:
         ledger.settle()  # the frees so far belong before the mark
@@ -117,7 +119,7 @@ def estimate(
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
     try:
-        with _cuda_like(cuda_kernels, workspaces.take):
+        with _cuda_like(cuda_kernels, workspaces.take), ordinary_inputs(assumed):
             result = run(
                 model_on_meta,
                 input_on_meta,
@@ -138,6 +140,9 @@ def estimate(
     found = _prediction(
         config, card, result.report, listener, tuple(workspaces.taken), tuple(units)
     )
+    if assumed:
+        notes = (*found.report.notes, *(f"assumed {a} (not checked on meta)" for a in assumed))
+        found = dataclasses.replace(found, report=dataclasses.replace(found.report, notes=notes))
     if trace:
         stream = {
             "device_traces": [listener.events],
@@ -210,6 +215,7 @@ def _prediction(
         _workspace_note(workspaces),
         NOT_MODELLED,
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
+        *tensors.notes,  # the step's own (what checkpoint='auto' chose)
     ]
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import linecache
 import sys
 import traceback
@@ -104,6 +105,46 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
 
     _torch.apply_to_tensors(model, materialize)
     return model
+
+
+#: Library functions that read a tensor's values only to spot an unusual input, each with the
+#: answer they give for an ordinary one and what that assumes. On ``meta`` they would stop the
+#: step; the libraries themselves skip them the same way while tracing (``torch.compile``).
+_VALUE_CHECKS = (
+    # transformers >= 4.53: called when a model runs without a KV cache (training, or under
+    # gradient checkpointing) and with position ids; None means "the sequences are not packed"
+    ("transformers.masking_utils", "find_packed_sequence_indices", "sequences are not packed"),
+)
+
+
+@contextlib.contextmanager
+def ordinary_inputs(assumed: list[str]) -> Iterator[None]:
+    """For the block, the `_VALUE_CHECKS` of libraries already imported answer as for ordinary
+    input when given ``meta`` tensors; each assumption made is appended to ``assumed`` (once)."""
+    patches = []
+    for module_name, name, assumption in _VALUE_CHECKS:
+        library = module_name.partition(".")[0]
+        module = sys.modules.get(module_name)
+        if module is None and library in sys.modules:  # imported, but this part not yet
+            with contextlib.suppress(Exception):
+                module = importlib.import_module(module_name)
+        original = getattr(module, name, None)
+        if module is None or not callable(original):
+            continue
+
+        def check(
+            *args: Any, _f: Callable[..., Any] = original, _a: str = assumption, **kw: Any
+        ) -> Any:
+            values = [*args, *kw.values()]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                if _a not in assumed:
+                    assumed.append(_a)
+                return None
+            return _f(*args, **kw)
+
+        patches.append((module, name, check))
+    with _torch.patched(patches):
+        yield
 
 
 def data_dependent(e: BaseException) -> str:

@@ -35,6 +35,9 @@ class Mode(Choice):
     TRAIN = "train"  # forward, backward, optimizer step
     NO_GRAD = "no_grad"  # a forward under torch.no_grad()
     INFERENCE_MODE = "inference_mode"  # a forward under torch.inference_mode()
+    # model.eval() and a forward with grad on, its output kept with its graph: a validation
+    # loop that forgot torch.no_grad()
+    EVAL_WITH_GRAD = "eval_with_grad"
 
 
 class Retention(Choice):
@@ -65,7 +68,8 @@ class RunConfig:
     amp: "off", "fp16" (autocast with a gradient scaler) or "bf16" (`Amp`).
     checkpoint: "off", "auto" (each block of a ModuleList or Sequential of identical layers), or
         a tuple of module paths to checkpoint.
-    mode: "train" (forward, backward, optimizer step), "no_grad" or "inference_mode" (a forward).
+    mode: "train" (forward, backward, optimizer step), "no_grad" or "inference_mode" (a forward),
+        or "eval_with_grad" (eval(), a forward with grad on, the output kept with its graph).
     retention: "off", or the graph-retention experiment: ``iterations`` evaluation forwards with
         grad enabled whose outputs are kept "attached" (memory grows) or "detached" (flat).
     batch_size: the effective batch; with ``accumulation`` k, k micro-batches of batch_size / k.

@@ -13,6 +13,8 @@ from torch import nn
 
 from memlab.core.devices import DeviceError, resolve
 from memlab.core.ledger import device_key
+from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
+from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Optimizer, RunConfig, WhatIfError
 
 
@@ -86,55 +88,6 @@ def optimizer(
     if config.optimizer == Optimizer.ADAM:
         return torch.optim.Adam(params, lr=config.lr, foreach=foreach)
     return torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
-
-
-def blocks(model: nn.Module) -> list[str]:
-    """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
-    children (two or more) are all of one type. Nested repeats inside a block are left alone."""
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if any(path.startswith(f + ".") for f in found):
-            continue
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.named_children())
-            if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
-                found += [f"{path}.{n}" if path else n for n, _ in children]
-    return found
-
-
-@contextlib.contextmanager
-def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[None]:
-    """Within the block, the modules ``spec`` names (or "auto": `blocks`) run checkpointed."""
-    if spec == "off":
-        yield
-        return
-    named = dict(model.named_modules())
-    paths = blocks(model) if spec == "auto" else list(spec)
-    missing = [p for p in paths if p not in named]
-    if missing:
-        top = ", ".join(list(named)[1:8])
-        raise WhatIfError(f"No module {missing[0]!r} in the model (its modules: {top}, ...).")
-    if not paths:
-        raise WhatIfError(
-            "checkpoint='auto' found no repeated blocks (a ModuleList or Sequential of identical "
-            "layers): name the modules to checkpoint instead."
-        )
-    wrapped: list[nn.Module] = []
-    try:
-        for p in paths:
-            module = named[p]
-            original = module.forward
-
-            def forward(*args: Any, _f: Callable[..., Any] = original, **kw: Any) -> Any:
-                # looked up at each call: the estimator's autocast emulation wraps it
-                return torch.utils.checkpoint.checkpoint(_f, *args, use_reentrant=False, **kw)
-
-            module.forward = forward
-            wrapped.append(module)
-        yield
-    finally:
-        for module in wrapped:
-            del module.forward  # the class's forward shows through again
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ as `StepHooks`: this module never imports the estimator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import traceback
 from collections.abc import Callable
@@ -119,7 +120,7 @@ def run(
             "The model has no trainable parameters, so a training step has nothing to do: use "
             "mode='no_grad', or unfreeze some parameters."
         )
-    with restored(model, weights=training), checkpointed(model, config.checkpoint):
+    with restored(model, weights=training), checkpointed(model, config.checkpoint) as chosen:
         opt = optimizer(model, config, hooks.foreach) if training else None
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
@@ -154,6 +155,8 @@ def run(
                 report = None
             return RunResult(config, report, oom=True, error=f"CUDA out of memory: {message}")
     report = region.report
+    if chosen:  # what checkpoint='auto' chose, and what it turned off
+        report = dataclasses.replace(report, notes=(*report.notes, *chosen))
     over = config.budget is not None and report.peak_allocated > config.budget
     error = (
         f"the peak ({report.peak_allocated:,} B) exceeds the budget ({config.budget:,} B)"
@@ -202,6 +205,10 @@ def _step(
             kept.append(out if config.retention == Retention.ATTACHED else detach(out))
             series.append(_allocated(device))
         return kept, series
+    if config.mode == Mode.EVAL_WITH_GRAD:
+        model.eval()
+        with autocast():
+            return [user.forward(config.batch_size, mark)], []
     if config.mode != Mode.TRAIN:
         model.eval()
         grad = torch.no_grad() if config.mode == Mode.NO_GRAD else torch.inference_mode()

@@ -1,0 +1,179 @@
+"""Activation checkpointing as a what-if lever: which parts of a model to recompute in
+backward (named by the user, or found: repeated blocks, or repeated runs of layers in an
+``nn.Sequential``), wrapped for the run and unwrapped after."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from memlab.step.config import WhatIfError
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
+    children (two or more) are all of one type. Nested repeats inside a block are left alone."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(f + ".") for f in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+                found += [f"{path}.{n}" if path else n for n, _ in children]
+    return found
+
+
+@dataclass(frozen=True)
+class Runs:
+    """In the ``nn.Sequential`` at ``path``, ``count`` runs of ``length`` layers from ``start``
+    that repeat one pattern of layer types (e.g. Linear, ReLU), each run one checkpoint."""
+
+    path: str
+    start: int
+    length: int
+    count: int
+    pattern: tuple[str, ...]
+
+    @property
+    def per_segment(self) -> int:
+        """Runs recomputed together: about the square root of their number (fewer inputs kept
+        and a shorter recomputation at once), at least two segments."""
+        per = math.ceil(math.sqrt(self.count))
+        return per if math.ceil(self.count / per) > 1 else 1
+
+    def describe(self) -> str:
+        where = f"`{self.path}`" if self.path else "the model"
+        return (
+            f"{self.count} runs of ({', '.join(self.pattern)}) in {where}, layers "
+            f"{self.start}-{self.start + self.length * self.count - 1}, recomputed "
+            f"{self.per_segment} run{'s' if self.per_segment > 1 else ''} at a time (all but "
+            "the last segment, which backward needs first)"
+        )
+
+
+def repeated_runs(model: nn.Module) -> list[Runs]:
+    """Each ``nn.Sequential`` (outermost first, none inside another found) whose layers repeat
+    a pattern of types at least twice with parameters in it: the longest such stretch, the
+    shortest pattern on a tie, the earliest start on a tie."""
+    found: list[Runs] = []
+    for path, module in model.named_modules():
+        if type(module) is not nn.Sequential or any(
+            path.startswith(f.path + ".") or not f.path for f in found
+        ):
+            continue
+        layers = list(module)
+        kinds = [type(m) for m in layers]
+        best: tuple[int, int, int, int] | None = None  # covered, -length, -start, count
+        for length in range(1, len(layers) // 2 + 1):
+            for start in range(len(layers) - 2 * length + 1):
+                count = 1
+                while (
+                    kinds[start + count * length : start + (count + 1) * length]
+                    == kinds[start : start + length]
+                ):
+                    count += 1
+                group = layers[start : start + length]
+                if count < 2 or not any(p.requires_grad for m in group for p in m.parameters()):
+                    continue
+                key = (count * length, -length, -start, count)
+                best = key if best is None or key > best else best
+        if best is not None:
+            length, start, count = -best[1], -best[2], best[3]
+            names = tuple(type(m).__name__ for m in layers[start : start + length])
+            found.append(Runs(path, start, length, count, names))
+    return found
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[list[str]]:
+    """Within the block, the modules ``spec`` names run checkpointed; ``"auto"`` finds them:
+    the repeated `blocks`, else the `repeated_runs` of a Sequential. Yields notes saying what
+    was chosen (and that a Hugging Face model's ``use_cache`` is off, as it turns it off itself
+    under checkpointing)."""
+    notes: list[str] = []
+    if spec == "off":
+        yield notes
+        return
+    named = dict(model.named_modules())
+    paths = blocks(model) if spec == "auto" else list(spec)
+    runs = repeated_runs(model) if spec == "auto" and not paths else []
+    missing = [p for p in paths if p not in named]
+    if missing:
+        top = ", ".join(list(named)[1:8])
+        raise WhatIfError(
+            f"No module {missing[0]!r} in the model, named by checkpoint: pass 'auto', 'off' "
+            f"or paths from model.named_modules() (its modules: {top}, ...)."
+        )
+    if not paths and not runs:
+        raise WhatIfError(
+            "checkpoint='auto' found nothing to checkpoint (a ModuleList or Sequential of "
+            "identical layers, or a Sequential whose layers repeat a pattern such as Linear, "
+            "ReLU): name the modules to checkpoint instead, e.g. checkpoint=('encoder',)."
+        )
+    if spec == "auto":
+        shown = paths[:2] + (["...", paths[-1]] if len(paths) > 3 else paths[2:])
+        chosen = [f"{len(paths)} blocks ({', '.join(shown)})"] if paths else []
+        notes.append("checkpoint='auto' chose " + "; ".join(chosen + [r.describe() for r in runs]))
+    wrapped: list[nn.Module] = []
+    config = getattr(model, "config", None)
+    cache = getattr(config, "use_cache", None)
+    try:
+        for p in paths:
+            module = named[p]
+            module.forward = _checkpointing(module.forward)
+            wrapped.append(module)
+        for r in runs:
+            sequential = named[r.path]
+            sequential.forward = _in_runs(sequential, r)
+            wrapped.append(sequential)
+        if cache:
+            config.use_cache = False  # type: ignore[union-attr]
+            notes.append("use_cache off while checkpointing, as Hugging Face does in training")
+        yield notes
+    finally:
+        if cache:
+            config.use_cache = cache  # type: ignore[union-attr]
+        for module in wrapped:
+            del module.forward  # the class's forward shows through again
+
+
+def _checkpointing(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(*args: Any, **kw: Any) -> Any:
+        # the original is looked up at each call: the estimator's autocast emulation wraps it
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kw)
+
+    return forward
+
+
+def _in_runs(sequential: nn.Sequential, runs: Runs) -> Callable[[Any], Any]:
+    layers = list(sequential)
+    end = runs.start + runs.length * runs.count
+    step = runs.length * runs.per_segment
+    starts = list(range(runs.start, end, step))
+    pieces = [(layers[: runs.start], False)]
+    pieces += [(layers[i : min(i + step, end)], i != starts[-1]) for i in starts]
+    pieces.append((layers[end:], False))
+
+    def forward(x: Any) -> Any:
+        for group, recompute in pieces:
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(_chain, group, x, use_reentrant=False)
+            else:
+                x = _chain(group, x)
+        return x
+
+    return forward
+
+
+def _chain(layers: list[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
