@@ -201,3 +201,32 @@ def test_amp_cross_entropy_runs_cuda_s_composite_without_an_extra_float32_copy()
     assert loss.dtype == torch.float32
     grad = torch.autograd.grad(loss, logits)[0]
     assert grad.dtype == torch.float16 and grad.is_meta
+
+
+class LossInForward(nn.Module):
+    """A model whose forward computes its own loss and returns ``(loss, logits)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits = self.net(x)
+        return F.cross_entropy(logits, y), logits
+
+
+def test_a_forward_that_returns_its_loss_is_trained_on_that_loss() -> None:
+    into_loss: list[torch.Tensor] = []
+    model = LossInForward()
+
+    def watch(module: nn.Module, args: Any, out: Any) -> None:
+        out[0].register_hook(into_loss.append)
+
+    model.register_forward_hook(watch)
+    batch = lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,)))  # noqa: E731
+    run(lambda: model, batch, None, device="cpu", optimizer="sgd", warmup=False)
+    # backward started at the model's own loss (d loss / d loss = 1), not at a default loss
+    # built on top of it (the mean square would send 2 x loss into it)
+    (grad,) = into_loss
+    assert grad.item() == 1.0
+    assert model.net.weight.grad is None  # taken off again: the run leaves the model as it was

@@ -90,8 +90,9 @@ def _refused_arguments(e: TypeError) -> bool:
 
 
 def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
-    """The step's loss: ``loss_fn(out)``, or the default (the model's own loss, else the mean
-    square of the output's first tensor)."""
+    """The step's loss: ``loss_fn(out)``, or the default: the model's own loss (a ``loss`` in
+    its output mapping, or a first tensor with one element, as ``(loss, logits)``), else the
+    mean square of the output's first tensor."""
     if loss_fn is None:
         if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
             own = out.get("loss")
@@ -106,6 +107,8 @@ def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
                 f"The model's forward returned {type(out).__name__}, which holds no tensor to "
                 "train on: return the output from forward, or pass a loss_fn."
             )
+        if first.numel() == 1 and first.is_floating_point():
+            return first  # a forward that computes its own loss: (loss, logits), or the loss
         return first.float().pow(2).mean()
     loss = call("loss_fn", loss_fn, out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
