@@ -16,6 +16,7 @@ class Category(str, Enum):
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
     GRADIENT = "gradient"
+    KV_CACHE = "kv_cache"
     INPUT = "input"
     ACTIVATION = "activation"
     TEMPORARY = "temporary"
@@ -41,6 +42,8 @@ DESCRIPTIONS: dict[Category, str] = {
     Category.BUFFER: "module buffers (e.g. BatchNorm running statistics)",
     Category.OPTIMIZER_STATE: "tensors in optimizer.state (momentum, Adam moments, step)",
     Category.GRADIENT: "the .grad of parameters and other leaf tensors",
+    Category.KV_CACHE: "the key/value cache of a language model generating tokens (its keys "
+    "and values for every token so far, in each layer)",
     Category.INPUT: "tensors passed to track(inputs=...)",
     Category.ACTIVATION: "tensors saved for backward by autograd",
     Category.TEMPORARY: "created in the region and freed before it ended",

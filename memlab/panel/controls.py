@@ -30,9 +30,18 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
         description="checkpointing",
         style=style,
     )
-    self.mode = w.ToggleButtons(
+    self.mode = w.Dropdown(
         options=Mode.values(), value=str(c.mode), description="mode", style=style
     )
+    self.new_tokens = w.BoundedIntText(
+        value=c.new_tokens, min=1, max=1_000_000, description="new tokens", style=style
+    )
+
+    def show_tokens(change: dict[str, Any]) -> None:  # only generating has new tokens
+        self.new_tokens.layout.display = "" if change["new"] == Mode.GENERATE else "none"
+
+    show_tokens({"new": str(c.mode)})
+    self.mode.observe(show_tokens, names="value")
     self.retention = w.ToggleButtons(
         options=Retention.values(),
         value=str(c.retention),
@@ -92,7 +101,7 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
         [
             w.HBox(
                 [
-                    w.VBox([self.amp, self.checkpoint, self.mode, self.retention]),
+                    w.VBox([self.amp, self.checkpoint, self.retention, self.mode, self.new_tokens]),
                     w.VBox(
                         [
                             self.batch_size,
@@ -124,6 +133,7 @@ def controls(self: Any) -> list[Any]:
         self.amp,
         self.checkpoint,
         self.mode,
+        self.new_tokens,
         self.retention,
         self.batch_size,
         self.accumulation,

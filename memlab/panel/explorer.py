@@ -55,7 +55,8 @@ class Explorer(BudgetLimit):
     # the controls (memlab.panel.controls), reachable for programs and tests
     amp: w.ToggleButtons
     checkpoint: w.ToggleButtons
-    mode: w.ToggleButtons
+    mode: w.Dropdown
+    new_tokens: w.BoundedIntText
     retention: w.ToggleButtons
     batch_size: w.BoundedIntText
     accumulation: w.BoundedIntText
@@ -100,6 +101,7 @@ class Explorer(BudgetLimit):
             amp=self.amp.value,
             checkpoint=self.checkpoint.value,
             mode=self.mode.value,
+            new_tokens=int(self.new_tokens.value),
             retention=self.retention.value,
             batch_size=int(self.batch_size.value),
             accumulation=int(self.accumulation.value),

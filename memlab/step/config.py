@@ -38,6 +38,8 @@ class Mode(Choice):
     # model.eval() and a forward with grad on, its output kept with its graph: a validation
     # loop that forgot torch.no_grad()
     EVAL_WITH_GRAD = "eval_with_grad"
+    # a prompt, then new_tokens tokens one at a time with a key/value cache (memlab.step.generate)
+    GENERATE = "generate"
 
 
 class Retention(Choice):
@@ -69,7 +71,11 @@ class RunConfig:
     checkpoint: "off", "auto" (each block of a ModuleList or Sequential of identical layers), or
         a tuple of module paths to checkpoint.
     mode: "train" (forward, backward, optimizer step), "no_grad" or "inference_mode" (a forward),
-        or "eval_with_grad" (eval(), a forward with grad on, the output kept with its graph).
+        or "eval_with_grad" (eval(), a forward with grad on, the output kept with its graph),
+        or "generate" (the prompt from input_fn, then ``new_tokens`` tokens with a KV cache).
+    new_tokens: tokens generated after the prompt (mode "generate").
+    logits: "last" (the prompt's last position only, as Hugging Face's generate asks) or "all"
+        (logits for every prompt position) in the prefill (mode "generate").
     retention: "off", or the graph-retention experiment: ``iterations`` evaluation forwards with
         grad enabled whose outputs are kept "attached" (memory grows) or "detached" (flat).
     batch_size: the effective batch; with ``accumulation`` k, k micro-batches of batch_size / k.
@@ -90,6 +96,8 @@ class RunConfig:
     device: str | None = None
     budget: int | None = None
     warmup: bool = True
+    new_tokens: int = 16
+    logits: str = "last"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -111,7 +119,9 @@ class RunConfig:
             raise WhatIfError(
                 f"checkpoint={self.checkpoint!r}: pass 'off', 'auto' or a tuple of module paths."
             )
-        for name in ("batch_size", "accumulation", "iterations"):
+        if self.logits not in ("last", "all"):
+            raise WhatIfError(f"logits must be 'last' or 'all', not {self.logits!r}.")
+        for name in ("batch_size", "accumulation", "iterations", "new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WhatIfError(f"{name} must be a whole number ≥ 1, not {value!r}.")
@@ -140,6 +150,9 @@ class RunConfig:
         if self.checkpoint != "off":
             ck = self.checkpoint
             parts.append(f"checkpoint {ck if isinstance(ck, str) else ','.join(ck)}")
+        if self.mode == Mode.GENERATE:
+            parts[0] = f"generate {self.new_tokens} tokens"
+            parts += [] if self.logits == "last" else ["all logits"]
         parts.append(f"batch {self.batch_size}")
         if self.accumulation > 1:
             parts.append(f"accumulate {self.accumulation}")
@@ -163,4 +176,6 @@ class RunConfig:
             "device": self.device,
             "budget": self.budget,
             "warmup": self.warmup,
+            "new_tokens": self.new_tokens,
+            "logits": self.logits,
         }

@@ -25,6 +25,7 @@ from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
+from memlab.step.generate import generate
 from memlab.step.model import (
     call,
     check_device,
@@ -130,18 +131,18 @@ def run(
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
-                step(lambda t: None)
+                step(_unmarked)
                 # with fp16, the scaler skips the optimizer's step while the scaled gradients
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
                 for _ in range(SCALER_RETRIES if scaler is not None else 0):
                     if not _skipped(opt):
                         break
-                    step(lambda t: None)
+                    step(_unmarked)
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
-                kept, series = step(lambda t: region.mark(t, Category.INPUT))
+                kept, series = step(functools.partial(_mark, region))
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
@@ -193,7 +194,7 @@ def _step(
     opt: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler | None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    mark: Callable[[torch.Tensor], None],
+    mark: Callable[..., None],
 ) -> tuple[list[Any], list[int]]:
     model, device = user.model, user.device
     if config.retention != Retention.OFF:  # evaluation with grad enabled, outputs kept
@@ -205,6 +206,10 @@ def _step(
             kept.append(out if config.retention == Retention.ATTACHED else detach(out))
             series.append(_allocated(device))
         return kept, series
+    if config.mode == Mode.GENERATE:
+        model.eval()
+        with autocast():
+            return generate(user, config, mark), []
     if config.mode == Mode.EVAL_WITH_GRAD:
         model.eval()
         with autocast():
@@ -237,6 +242,14 @@ def _step(
         opt.step()
     opt.zero_grad(set_to_none=True)
     return [], []
+
+
+def _mark(region: track, t: torch.Tensor, category: Category = Category.INPUT) -> None:
+    region.mark(t, category)
+
+
+def _unmarked(t: torch.Tensor, category: Category = Category.INPUT) -> None:
+    """The warm-up's marks: nothing is measured."""
 
 
 def _allocated(device: torch.device) -> int:

@@ -33,7 +33,7 @@ class UserStep:
         tuple is the forward's arguments, a mapping its keyword arguments (``{"input_ids": ...,
         "labels": ...}`` for a Hugging Face model), anything else its one argument."""
         value = call("input_fn", self.input_fn, batch)
-        tensors = _tensors_in(value)
+        tensors = tensors_in(value)
         check_device("input_fn's result", tensors, self.device)
         for t in tensors:
             mark(t)
@@ -46,7 +46,7 @@ class UserStep:
         try:
             return self.model(*args, **kwargs)
         except TypeError as e:
-            if not _refused_arguments(e):
+            if not refused_arguments(e):
                 raise
             raise WhatIfError(
                 f"the model's forward refused the {len(args)} argument(s) input_fn returned "
@@ -66,7 +66,7 @@ class UserStep:
         return out
 
 
-def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     """The tensors in an input: itself, or inside its tuples, lists and mappings."""
     if isinstance(value, torch.Tensor):
         return [value]
@@ -75,10 +75,10 @@ def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     items = value.values() if isinstance(value, Mapping) else value
     if not isinstance(value, (Mapping, tuple, list)):
         return []
-    return [t for v in items for t in _tensors_in(v, depth + 1)]
+    return [t for v in items for t in tensors_in(v, depth + 1)]
 
 
-def _refused_arguments(e: TypeError) -> bool:
+def refused_arguments(e: TypeError) -> bool:
     """Whether the TypeError is the forward refusing its arguments (raised where PyTorch calls
     it, not inside it)."""
     tb = e.__traceback__
