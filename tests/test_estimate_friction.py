@@ -230,3 +230,27 @@ def test_a_forward_that_returns_its_loss_is_trained_on_that_loss() -> None:
     (grad,) = into_loss
     assert grad.item() == 1.0
     assert model.net.weight.grad is None  # taken off again: the run leaves the model as it was
+
+
+@pytest.mark.slow
+def test_a_model_fn_that_imports_transformers_itself_estimates_too() -> None:
+    # transformers is first imported inside model_fn, after the estimate has begun: its value
+    # check is answered all the same (in a fresh process, where nothing imported it before)
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, sys
+        from memlab.estimate import estimate
+        assert "transformers" not in sys.modules
+        def model_fn():
+            import transformers
+            config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                             use_cache=False)
+            return transformers.GPT2LMHeadModel(config)
+        e = estimate(model_fn, lambda b: torch.randint(0, 100, (b, 16)), batch_size=2)
+        print(e.notes[-1])
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("assumed sequences are not packed (not checked on meta)")

@@ -30,10 +30,10 @@ from memlab.estimate.kernels import (
 from memlab.estimate.listener import AllocatorListener
 from memlab.estimate.redirect import (
     META,
+    OrdinaryInputs,
     build_on_meta,
     data_dependent,
     meta_device_module,
-    ordinary_inputs,
     redirected,
 )
 from memlab.estimate.result import Estimate
@@ -97,6 +97,7 @@ def estimate(
 
     def model_on_meta() -> Any:
         model = build_on_meta(model_fn)
+        checks.refresh()  # libraries model_fn imported
         if not units and hasattr(model, "named_modules"):
             named = dict(model.named_modules())
             units.extend(_parameter_bytes(named[path]) for path in blocks(model))
@@ -119,7 +120,7 @@ def estimate(
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
     try:
-        with _cuda_like(cuda_kernels, workspaces.take), ordinary_inputs(assumed):
+        with _cuda_like(cuda_kernels, workspaces.take), OrdinaryInputs(assumed) as checks:
             result = run(
                 model_on_meta,
                 input_on_meta,

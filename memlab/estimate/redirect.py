@@ -117,34 +117,48 @@ _VALUE_CHECKS = (
 )
 
 
-@contextlib.contextmanager
-def ordinary_inputs(assumed: list[str]) -> Iterator[None]:
-    """For the block, the `_VALUE_CHECKS` of libraries already imported answer as for ordinary
-    input when given ``meta`` tensors; each assumption made is appended to ``assumed`` (once)."""
-    patches = []
-    for module_name, name, assumption in _VALUE_CHECKS:
-        library = module_name.partition(".")[0]
-        module = sys.modules.get(module_name)
-        if module is None and library in sys.modules:  # imported, but this part not yet
-            with contextlib.suppress(Exception):
-                module = importlib.import_module(module_name)
-        original = getattr(module, name, None)
-        if module is None or not callable(original):
-            continue
+class OrdinaryInputs:
+    """Within the block, the `_VALUE_CHECKS` of the libraries imported so far answer as for
+    ordinary input when given ``meta`` tensors; each assumption made is appended to ``assumed``
+    (once). `refresh` patches those of libraries imported since (by ``model_fn``)."""
 
-        def check(
-            *args: Any, _f: Callable[..., Any] = original, _a: str = assumption, **kw: Any
-        ) -> Any:
-            values = [*args, *kw.values()]
-            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
-                if _a not in assumed:
-                    assumed.append(_a)
+    def __init__(self, assumed: list[str]) -> None:
+        self.assumed = assumed
+        self._stack = contextlib.ExitStack()
+        self._done: set[str] = set()
+
+    def __enter__(self) -> OrdinaryInputs:
+        self.refresh()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()  # each patch undone, the last first
+
+    def refresh(self) -> None:
+        for module_name, name, assumption in _VALUE_CHECKS:
+            library = module_name.partition(".")[0]
+            if module_name in self._done or library not in sys.modules:
+                continue
+            module = sys.modules.get(module_name)
+            if module is None:  # the library is imported, but not this part of it yet
+                with contextlib.suppress(Exception):
+                    module = importlib.import_module(module_name)
+            original = getattr(module, name, None)
+            if module is None or not callable(original):
+                continue
+            self._done.add(module_name)
+            check = self._answering(original, assumption)
+            self._stack.enter_context(_torch.patched([(module, name, check)]))
+
+    def _answering(self, original: Callable[..., Any], assumption: str) -> Callable[..., Any]:
+        def check(*args: Any, **kw: Any) -> Any:
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in [*args, *kw.values()]):
+                if assumption not in self.assumed:
+                    self.assumed.append(assumption)
                 return None
-            return _f(*args, **kw)
+            return original(*args, **kw)
 
-        patches.append((module, name, check))
-    with _torch.patched(patches):
-        yield
+        return check
 
 
 def data_dependent(e: BaseException) -> str:

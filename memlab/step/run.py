@@ -128,17 +128,20 @@ def run(
         amp = _autocast(config.amp, device, hooks.autocast)
         user = UserStep(model, input_fn, loss_fn, step_fn, device)
         step = functools.partial(_step, user, config, opt, scaler, amp)
+        # a generation's warm-up needs one new token to pay the one-time costs, not all of them
+        one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
+        warm = functools.partial(_step, user, one, opt, scaler, amp)
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
-                step(_unmarked)
+                warm(_unmarked)
                 # with fp16, the scaler skips the optimizer's step while the scaled gradients
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
                 for _ in range(SCALER_RETRIES if scaler is not None else 0):
                     if not _skipped(opt):
                         break
-                    step(_unmarked)
+                    warm(_unmarked)
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
