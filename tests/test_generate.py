@@ -59,6 +59,9 @@ def test_the_kv_cache_holds_the_formula_s_bytes(build: Any) -> None:
     layers, head_dim = config.num_hidden_layers, config.hidden_size // config.num_attention_heads
     assert want == 2 * layers * heads * head_dim * (PROMPT + NEW) * BATCH * 4
     assert "generate 8 tokens" in result.title
+    per_token = kv_cache_bytes(config, 1, 1, torch.float32)
+    note = next(n for n in report.notes if n.startswith("KV cache:"))
+    assert f"{per_token:,} B per token (formula: 2 x {layers} layers x {heads} KV heads" in note
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2-mha", "llama-gqa"])

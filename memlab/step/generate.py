@@ -170,3 +170,34 @@ def _first(config: Any, *names: str) -> int:
         if isinstance(value, int):
             return value
     raise WhatIfError(f"the model config has none of {', '.join(names)}: cannot size its cache.")
+
+
+def cache_note(model: Any, config: RunConfig, kept: list[Any]) -> str:
+    """What the finished cache holds per token, beside the formula where the model's config
+    gives its shape (a Hugging Face model)."""
+    tensors = cache_tensors(kept[-1]) if kept else []
+    held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+    # keys and values: (batch, heads, tokens, head size); a plain cache: (batch, tokens, width)
+    tokens = tensors[0].shape[-2] if held and tensors[0].dim() >= 2 else 0
+    if not tokens:
+        return "KV cache: none found in what the model returned"
+    per_token = held // (tokens * config.batch_size)
+    text = (
+        f"KV cache: {held:,} B for {tokens} tokens x {config.batch_size} sequences, "
+        f"{per_token:,} B per token"
+    )
+    shape = getattr(model, "config", None)
+    try:
+        formula = kv_cache_bytes(shape, 1, 1, tensors[0].dtype)
+    except WhatIfError:
+        return text
+    c = shape
+    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(c, "num_attention_heads", "n_head")
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    size = tensors[0].element_size()
+    head_dim = formula // (2 * layers * kv_heads * size)
+    return (
+        f"{text} (formula: 2 x {layers} layers x {kv_heads} KV heads x {head_dim} x {size} B "
+        f"= {formula:,} B)"
+    )

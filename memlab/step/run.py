@@ -25,7 +25,7 @@ from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
-from memlab.step.generate import generate
+from memlab.step.generate import cache_note, generate
 from memlab.step.model import (
     call,
     check_device,
@@ -146,6 +146,8 @@ def run(
                 hooks.on_measure("start")
             with region:
                 kept, series = step(functools.partial(_mark, region))
+            if config.mode == Mode.GENERATE:
+                chosen.append(cache_note(model, config, kept))
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
