@@ -62,7 +62,17 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext memlab``: register the magics. Does not initialise CUDA."""
     from memlab.magic import load
 
-    load(ipython)
+    load(ipython, preflight=_preflight)
+
+
+def _preflight(spec: str, namespace: dict[str, Any], hidden: Any) -> Any:
+    """``%%gpumem --gpu``: the estimator's replay of a cell (the magic's floor cannot import
+    the estimator's, so it is passed in from here)."""
+    from memlab.core.ledger import default_ledger
+    from memlab.estimate.gpus import parse
+    from memlab.estimate.preflight import Flight
+
+    return Flight(parse(spec, "--gpu"), default_ledger(), namespace, hidden)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

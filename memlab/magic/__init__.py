@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def load(ipython: Any) -> None:
+def load(ipython: Any, preflight: Any = None) -> None:
     """Registers the magics, once: loading again (``memlab.autoload`` and a notebook's own
-    ``%load_ext memlab``) does nothing."""
+    ``%load_ext memlab``) does nothing. ``preflight(spec, namespace, hidden)``: what
+    ``%%gpumem --gpu`` replays a cell through (the estimator's, passed in from above)."""
     if getattr(ipython, "_memlab_magics", None) is not None:
         return
     from memlab.magic.magics import GpumemMagics
 
-    magics = GpumemMagics(ipython)
+    magics = GpumemMagics(ipython, preflight)
     ipython.register_magics(magics)
     ipython._memlab_magics = magics
 

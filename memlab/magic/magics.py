@@ -50,8 +50,9 @@ def one_line(r: MemoryReport, cell: int | None = None) -> str:
 
 @magics_class
 class GpumemMagics(Magics):
-    def __init__(self, shell: Any) -> None:
+    def __init__(self, shell: Any, preflight: Any = None) -> None:
         super().__init__(shell)
+        self._preflight = preflight
         self.sh: Any = shell  # never None once registered
         # kept on the shell, so that %reload_ext memlab keeps the kernel's history
         self.history: History = getattr(shell, "_memlab_history", None) or History()
@@ -71,11 +72,14 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
+        flight = self._flight(opts)
         try:
             body, expr, quiet = compile_cell(self.sh, source, header)
         except SyntaxError as e:
             e.with_traceback(None)  # the cell's line is in the error itself: no memlab frames
             raise
+        if flight is not None:
+            flight.start(body.co_filename)
         try:
             with region:
                 value = execute(self.sh, body, expr)
@@ -84,9 +88,11 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
+            self._land(flight, opts)
             self._publish(region, opts)
             without_memlab(e)
             raise
+        self._land(flight, opts)
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None
@@ -99,8 +105,8 @@ class GpumemMagics(Magics):
         ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
         try:
             return track(
-                opts.device,
-                breakdown=opts.breakdown,
+                "cpu" if opts.gpu else opts.device,  # pre-flight: tracked on the CPU
+                breakdown=opts.breakdown or opts.gpu is not None,  # the roles explain an OOM
                 timeline=opts.timeline,
                 reset_peak=opts.reset,
                 driver=opts.driver,
@@ -111,6 +117,29 @@ class GpumemMagics(Magics):
             )
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
+
+    def _flight(self, opts: Options) -> Any:
+        """``--gpu``: the replay of the cell through that GPU's allocator model, or None."""
+        if opts.gpu is None:
+            return None
+        if self._preflight is None:
+            raise UsageError("%gpumem --gpu needs the extension loaded by %load_ext memlab.")
+        try:
+            return self._preflight(opts.gpu, self.sh.user_ns, self.sh.user_ns_hidden)
+        except ValueError as e:
+            raise UsageError(f"%gpumem {e}") from None
+
+    def _land(self, flight: Any, opts: Options) -> None:
+        """The pre-flight's verdict, shown before the cell's report (and its traceback)."""
+        if flight is None:
+            return
+        try:
+            result = flight.stop()
+        except Exception as e:  # never hide the cell's own outcome behind ours
+            print(f"memlab: no pre-flight for this cell: {e}.")
+            return
+        if not opts.quiet:
+            display(result)
 
     def _publish(self, region: track, opts: Options) -> None:
         try:
@@ -202,7 +231,7 @@ class GpumemMagics(Magics):
         if words[0] != "on":
             raise UsageError(f"%gpumem_auto: expected on or off, not {words[0]!r}.")
         opts = parse_cell_line(words[1] if len(words) > 1 else "")
-        if opts.timeline or opts.out or opts.quiet:
+        if opts.timeline or opts.out or opts.quiet or opts.gpu:
             raise UsageError("%gpumem_auto takes -d, -b, --no-reset and --driver only.")
         self._region(opts)  # validate the device now, not at the next cell
         self.auto_off()

@@ -1,0 +1,213 @@
+"""An out-of-memory explained, as pure functions of the allocator's state and the accounting.
+
+`explain` reads the cache (segments and their blocks, in the format of
+``torch.cuda.memory_snapshot()``, which `CachingAllocator.segments` also writes) and the live
+storages, and says why the request failed. `stream_levers` predicts the peak of an allocation
+stream under each lever by replaying the changed stream through the allocator model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from memlab.estimate.allocator import (
+    LARGE_BUFFER,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    CachingAllocator,
+    SimulatedOutOfMemoryError,
+    round_size,
+    segment_size,
+)
+from memlab.reports.oom import Lever, LiveTensor, OOMExplanation
+from memlab.reports.units import fmt_bytes
+
+#: How many of the biggest tensors and variables an explanation lists.
+TOP = 8
+
+
+def cache_figures(segments: Iterable[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """(allocated, reserved, largest free block) of a cache given as snapshot segments."""
+    allocated = reserved = largest = 0
+    for seg in segments:
+        reserved += int(seg["total_size"])
+        for b in seg["blocks"]:
+            if str(b["state"]).startswith("active"):
+                allocated += int(b["size"])
+            else:
+                largest = max(largest, int(b["size"]))
+    return allocated, reserved, largest
+
+
+def cause_of(
+    requested: int, capacity: int | None, allocated: int, reserved: int, largest: int
+) -> tuple[str, bool]:
+    """One sentence on why the request failed, and whether fragmentation is the cause."""
+    free = reserved - allocated
+    if capacity is not None and segment_size(round_size(requested)) > capacity:
+        return (f"the request alone is larger than the {fmt_bytes(capacity)} usable", False)
+    outside = None if capacity is None else max(0, capacity - reserved)
+    if outside is not None and free + outside >= requested and largest < requested:
+        return (
+            f"fragmentation: {fmt_bytes(free)} is free in the cache but in pieces, the "
+            f"largest {fmt_bytes(largest)}, and only {fmt_bytes(outside)} is left to reserve",
+            True,
+        )
+    return (
+        f"live tensors fill the memory: {fmt_bytes(allocated)} allocated, "
+        f"{fmt_bytes(free)} free in the cache",
+        False,
+    )
+
+
+def explain(
+    *,
+    where: str,
+    requested: int,
+    capacity: int | None,
+    segments: Iterable[Mapping[str, Any]],
+    live: Sequence[LiveTensor] = (),
+    levers: Sequence[Lever] = (),
+    line: int | None = None,
+    source: str = "",
+    notes: Sequence[str] = (),
+) -> OOMExplanation:
+    """Why ``requested`` bytes could not be had: the cache's figures (from ``segments``), what
+    was live by category and by variable, the biggest live tensors, and the ``levers``."""
+    allocated, reserved, largest = cache_figures(segments)
+    cause, fragmented = cause_of(requested, capacity, allocated, reserved, largest)
+    categories: dict[str, int] = {}
+    names: dict[str, int] = {}
+    for t in live:
+        categories[t.category] = categories.get(t.category, 0) + t.nbytes
+        for name in t.names:
+            names[name] = names.get(name, 0) + t.nbytes
+    biggest = sorted(live, key=lambda t: -t.nbytes)[:TOP]
+    return OOMExplanation(
+        where=where,
+        requested=requested,
+        capacity=capacity,
+        allocated=allocated,
+        reserved=reserved,
+        largest_free=largest,
+        cause=cause,
+        fragmented=fragmented,
+        line=line,
+        source=source,
+        by_category=_ranked(categories),
+        by_name=_ranked(names)[:TOP],
+        biggest=tuple(biggest),
+        levers=tuple(levers),
+        notes=tuple(notes),
+    )
+
+
+def _ranked(d: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(((k, v) for k, v in d.items() if v), key=lambda kv: (-kv[1], kv[0])))
+
+
+# -- levers ------------------------------------------------------------------------------------
+#: An allocation stream: (storage serial, bytes) per event, bytes > 0 an allocation and < 0 its
+#: free. A storage that grows is freed and allocated again.
+Stream = Sequence[tuple[int, int]]
+
+
+def replay_peak(stream: Stream, size: Callable[[int, int], int], capacity: int | None) -> int:
+    """Peak reserved bytes of ``stream`` with each allocation's bytes given by ``size(serial,
+    bytes)`` (0 drops it), through the allocator model; -1 if it runs out of ``capacity``."""
+    model = CachingAllocator(capacity)
+    handles: dict[int, int] = {}
+    try:
+        for serial, nbytes in stream:
+            if nbytes > 0:
+                n = size(serial, nbytes)
+                if n > 0:
+                    handles[serial] = model.malloc(n)
+            else:
+                handle = handles.pop(serial, None)
+                if handle is not None:
+                    model.free(handle)
+    except SimulatedOutOfMemoryError:
+        return -1
+    return model.stats.peak_reserved
+
+
+def expandable_peak(stream: Stream) -> int:
+    """Peak reserved with ``expandable_segments:True``, roughly: each pool one segment that
+    grows by pages (2 MiB small, 20 MiB large) and so never holds a gap bigger than a page."""
+    small = large = peak = 0
+    sizes: dict[int, int] = {}
+    for serial, nbytes in stream:
+        if nbytes > 0:
+            n = sizes[serial] = round_size(nbytes)
+        else:
+            n = -sizes.pop(serial, 0)
+        if abs(n) <= SMALL_SIZE:
+            small += n
+        else:
+            large += n
+        peak = max(peak, _pages(small, SMALL_BUFFER) + _pages(large, LARGE_BUFFER))
+    return peak
+
+
+def _pages(n: int, page: int) -> int:
+    return -(-max(n, 0) // page) * page
+
+
+def stream_levers(
+    stream: Stream,
+    roles: Mapping[int, str],
+    capacity: int | None,
+    held: Mapping[str, tuple[Sequence[int], str]] = {},
+    fragmented: bool = False,
+) -> list[Lever]:
+    """The levers for a recorded stream, each predicted by replaying the stream changed as the
+    lever would change it. ``roles``: each serial's category; ``held``: storages behind the
+    user's variables and when to drop them (a `del` lever for each of the largest two)."""
+    scaled = ("activation", "temporary")
+    shrinking = any(roles.get(s) in scaled for s, n in stream if n > 0)
+
+    def fit(name: str, how: str, size: Callable[[int, int], int]) -> Lever:
+        limited = replay_peak(stream, size, capacity)
+        peak = limited if limited >= 0 else replay_peak(stream, size, None)
+        return Lever(name, how, peak, None if capacity is None else limited >= 0)
+
+    def times(f: float) -> Callable[[int, int], int]:
+        return lambda s, n: int(n * f) if roles.get(s) in scaled else n
+
+    found = []
+    if shrinking:
+        found.append(
+            fit(
+                "AMP (bf16)",
+                "`with torch.autocast('cuda', dtype=torch.bfloat16):` around the forward "
+                "(activations and temporaries taken as float32, halved)",
+                times(0.5),
+            )
+        )
+        found.append(
+            fit(
+                "batch ÷ 4, accumulate 4",
+                "a quarter of the batch per step and `loss / 4` backward 4 times before "
+                "`optimizer.step()` (activations and temporaries ÷ 4)",
+                times(0.25),
+            )
+        )
+    if fragmented:
+        peak = expandable_peak(stream)
+        fits = None if capacity is None else peak <= capacity
+        how = "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` before the first CUDA call"
+        found.append(Lever("expandable_segments", how, peak, fits))
+    first = {s: n for s, n in reversed(stream) if n > 0}
+
+    def weight(serials: Sequence[int]) -> int:
+        return sum(first.get(s, 0) for s in set(serials))
+
+    for name, (serials, when) in sorted(held.items(), key=lambda kv: -weight(kv[1][0]))[:2]:
+        found.append(fit(f"del {name}", f"`del {name}` {when}", _without(set(serials))))
+    return found
+
+
+def _without(gone: set[int]) -> Callable[[int, int], int]:
+    return lambda s, n: 0 if s in gone else n
