@@ -27,36 +27,56 @@ from memlab.reports.units import fmt_bytes
 TOP = 8
 
 
-def cache_figures(segments: Iterable[Mapping[str, Any]]) -> tuple[int, int, int]:
-    """(allocated, reserved, largest free block) of a cache given as snapshot segments."""
-    allocated = reserved = largest = 0
+def pool_of(requested: int) -> str:
+    """The pool a request is served from: "small" (up to 1 MiB) or "large"."""
+    return "small" if round_size(requested) <= SMALL_SIZE else "large"
+
+
+def cache_figures(
+    segments: Iterable[Mapping[str, Any]], pool: str = "large"
+) -> tuple[int, int, int, int]:
+    """(allocated, reserved, largest free block, free bytes) of a cache given as snapshot
+    segments; the last two in ``pool`` only: the allocator never serves a request from the
+    other pool's blocks."""
+    allocated = reserved = largest = free = 0
     for seg in segments:
         reserved += int(seg["total_size"])
+        mine = seg.get("segment_type", "large") == pool
         for b in seg["blocks"]:
             if str(b["state"]).startswith("active"):
                 allocated += int(b["size"])
-            else:
+            elif mine:
                 largest = max(largest, int(b["size"]))
-    return allocated, reserved, largest
+                free += int(b["size"])
+    return allocated, reserved, largest, free
 
 
 def cause_of(
-    requested: int, capacity: int | None, allocated: int, reserved: int, largest: int
+    requested: int, capacity: int | None, allocated: int, reserved: int, largest: int, free: int
 ) -> tuple[str, bool]:
-    """One sentence on why the request failed, and whether fragmentation is the cause."""
-    free = reserved - allocated
+    """One sentence on why the request failed, and whether fragmentation is the cause.
+    ``largest`` and ``free``: the free blocks of the request's pool."""
+    cached = reserved - allocated
+    pool = pool_of(requested)
     if capacity is not None and segment_size(round_size(requested)) > capacity:
         return (f"the request alone is larger than the {fmt_bytes(capacity)} usable", False)
     outside = None if capacity is None else max(0, capacity - reserved)
     if outside is not None and free + outside >= requested and largest < requested:
         return (
-            f"fragmentation: {fmt_bytes(free)} is free in the cache but in pieces, the "
-            f"largest {fmt_bytes(largest)}, and only {fmt_bytes(outside)} is left to reserve",
+            f"fragmentation: {fmt_bytes(free)} is free in the {pool} pool's cache but in pieces, "
+            f"the largest {fmt_bytes(largest)}, and only {fmt_bytes(outside)} is left to reserve",
             True,
+        )
+    if outside is not None and cached + outside >= requested:
+        return (
+            f"the cache is in the other pool: {fmt_bytes(cached - free)} free there, but a "
+            f"{pool} request takes {pool}-pool blocks only, and {fmt_bytes(outside)} is left "
+            "to reserve",
+            False,
         )
     return (
         f"live tensors fill the memory: {fmt_bytes(allocated)} allocated, "
-        f"{fmt_bytes(free)} free in the cache",
+        f"{fmt_bytes(cached)} free in the cache",
         False,
     )
 
@@ -75,8 +95,9 @@ def explain(
 ) -> OOMExplanation:
     """Why ``requested`` bytes could not be had: the cache's figures (from ``segments``), what
     was live by category and by variable, the biggest live tensors, and the ``levers``."""
-    allocated, reserved, largest = cache_figures(segments)
-    cause, fragmented = cause_of(requested, capacity, allocated, reserved, largest)
+    pool = pool_of(requested)
+    allocated, reserved, largest, free = cache_figures(segments, pool)
+    cause, fragmented = cause_of(requested, capacity, allocated, reserved, largest, free)
     categories: dict[str, int] = {}
     names: dict[str, int] = {}
     for t in live:
@@ -91,6 +112,8 @@ def explain(
         allocated=allocated,
         reserved=reserved,
         largest_free=largest,
+        pool=pool,
+        free_in_pool=free,
         cause=cause,
         fragmented=fragmented,
         line=line,

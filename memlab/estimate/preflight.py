@@ -192,7 +192,7 @@ class Flight:
         if found is not None:
             oom = self._explain(found)
         return Preflight(
-            self.card.describe(), self.card.usable, stats.peak_allocated, stats.peak_reserved, oom
+            _label(self.card), self.card.usable, stats.peak_allocated, stats.peak_reserved, oom
         )
 
     def _explain(self, found: _Failure) -> Any:
@@ -211,10 +211,9 @@ class Flight:
             )
             for s, n in found.live
         ]
-        keep = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER_STATE)
         holding: dict[str, list[int]] = {}
-        for s, _ in found.live:
-            if self.marks.get(s) not in keep:
+        for s, _ in found.live:  # what the user could drop: none of the step's own storages
+            if self.role(s, found.saved) == str(Category.OTHER):
                 for name in found.names.get(s, ()):
                     holding.setdefault(name.split("[")[0], []).append(s)
         held = {
@@ -232,7 +231,7 @@ class Flight:
         )
         levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
         return explain(
-            where=f"predicted {self.card.describe()}",
+            where=f"{_label(self.card)} (predicted)",
             requested=found.requested,
             capacity=self.card.usable,
             segments=found.segments,
@@ -241,9 +240,16 @@ class Flight:
             line=found.line,
             source=source(found.line),
             notes=(
-                f"usable: {self.card.describe()} less {self.card.context // 2**20} MiB for the "
+                f"usable: {_label(self.card)} less {self.card.context // 2**20} MiB for the "
                 "CUDA context; cuBLAS workspaces and CUDA-only buffers not included",
                 "levers are predicted by replaying this cell's allocations, changed as each "
                 "lever would change them, through the allocator model",
             ),
         )
+
+
+def _label(card: GPU) -> str:
+    """ "T4 (16 GiB)"; a card given by its size: "a 24 GiB GPU"."""
+    if card.name.startswith("custom "):
+        return f"a {card.name.removeprefix('custom ')} GPU"
+    return card.describe()

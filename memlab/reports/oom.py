@@ -39,7 +39,10 @@ class LiveTensor:
     source: str = ""
 
     def where(self) -> str:
-        return f"line {self.line}: {self.source.strip()}" if self.line is not None else ""
+        if self.line is None:
+            return ""
+        code = self.source.strip()
+        return f"line {self.line}: {code if len(code) <= 60 else code[:59] + '…'}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,7 +81,11 @@ class OOMExplanation(Result):
     capacity: int | None
     allocated: int
     reserved: int
+    #: The largest free cached block of the request's pool ("small": up to 1 MiB, or "large").
     largest_free: int
+    pool: str
+    #: Free cached bytes of that pool.
+    free_in_pool: int
     #: One sentence: why it failed (memory full, fragmentation, a request larger than the GPU).
     cause: str
     fragmented: bool = False
@@ -103,9 +110,9 @@ class OOMExplanation(Result):
 
     @property
     def fragmentation(self) -> float:
-        """1 - largest free block / free in the cache: 0 when the cache is one block (or
-        empty), near 1 when it is many small pieces."""
-        free = self.free_in_cache
+        """1 - largest free block / free bytes, in the request's pool: 0 when its cache is one
+        block (or empty), near 1 when it is many small pieces."""
+        free = self.free_in_pool
         return 0.0 if free <= 0 else 1.0 - self.largest_free / free
 
     def figures(self) -> list[tuple[str, int | None]]:
@@ -114,7 +121,7 @@ class OOMExplanation(Result):
             ("allocated", self.allocated),
             ("reserved", self.reserved),
             ("free in cache", self.free_in_cache),
-            ("largest free block", self.largest_free),
+            (f"largest free ({self.pool})", self.largest_free),
             ("free on the device", self.device_free),
             ("usable on the device", self.capacity),
         ]
@@ -147,7 +154,7 @@ class OOMExplanation(Result):
             for lv in self.levers:
                 verdict = "" if lv.fits is None else " fits" if lv.fits else " still too big"
                 lines.append(
-                    f"  {lv.name:<21}{fmt_bytes(lv.peak_reserved):>11}{verdict}  {plain(lv.how)}"
+                    f"  {lv.name:<25}{fmt_bytes(lv.peak_reserved):>11}{verdict}  {plain(lv.how)}"
                 )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -198,6 +205,8 @@ class OOMExplanation(Result):
             "reserved": self.reserved,
             "free_in_cache": self.free_in_cache,
             "largest_free": self.largest_free,
+            "pool": self.pool,
+            "free_in_pool": self.free_in_pool,
             "device_free": self.device_free,
             "fragmentation": round(self.fragmentation, 4),
             "fragmented": self.fragmented,
