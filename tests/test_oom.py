@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import run
 from IPython.core.error import UsageError
 
@@ -21,6 +22,7 @@ from memlab.estimate.gpus import GPUS, parse
 from memlab.estimate.oom import expandable_peak, explain, stream_levers
 from memlab.estimate.trace import events_of, read
 from memlab.reports.oom import LiveTensor
+from memlab.reports.units import fmt_bytes
 
 MiB, GiB = 2**20, 2**30
 DATA = Path(__file__).parent / "data"
@@ -34,7 +36,7 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "_cuda_count", lambda: 0)
 
 
-# -- the explanation, from recorded allocator state ------------------------------------------------
+# -- the explanation, from recorded allocator state -------------------------------------------
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: Path(p).name.split(".")[0])
 def test_figures_of_a_recorded_cache_match_its_memory_stats(path: str) -> None:
     snap = read(path)
@@ -146,7 +148,7 @@ def test_bad_gpu_specs_name_the_option_what_it_got_and_the_presets() -> None:
         parse("100MiB", "--gpu")
 
 
-# -- %%gpumem --gpu --------------------------------------------------------------------------------
+# -- %%gpumem --gpu ----------------------------------------------------------------------------
 def _preflight_text(ip: Any) -> str:
     texts = [d["text/plain"] for _, d in ip.rec.items if "pre-flight on" in d["text/plain"]]
     assert len(texts) == 1, ip.rec.items
@@ -223,3 +225,51 @@ def test_bad_gpu_option_is_a_usage_error(ip: Any) -> None:
         ip.run_cell_magic("gpumem", "--gpu X4", "1")
     with pytest.raises(UsageError, match=r"--gpu tracks the cell on the CPU: drop -d meta"):
         ip.run_cell_magic("gpumem", "--gpu T4 -d meta", "1")
+
+
+# -- an out-of-memory met in a cell -------------------------------------------------------------
+def test_an_out_of_memory_in_a_cell_is_explained_before_its_traceback(
+    ip: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """No GPU here: the cell raises PyTorch's error itself, and the allocator's state is a real
+    H100's (recorded segments); what was live and by which variable is the tensors the cell
+    made."""
+    from memlab.core import cuda
+
+    snap = read(DATA / "trace-gpt-adam.json.gz")
+    capacity = snap["stats"]["final_reserved"] + 4 * MiB  # the driver has 4 MiB left
+    monkeypatch.setattr(cuda, "cache_state", lambda index: (snap["segments"], capacity))
+    cell = (
+        "%%gpumem -b\n"
+        "import weakref\n"
+        "kept = torch.empty(2**20)\n"
+        "def forward():\n"
+        "    global probe\n"
+        "    hidden = torch.empty(2**21)\n"
+        "    probe = weakref.ref(hidden)\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 40.00 MiB.')\n"
+        "forward()\n"
+    )
+    r = run(ip, cell)
+    assert isinstance(r.error_in_exec, torch.OutOfMemoryError)
+    kinds = [("memlab-oom" in h, "memlab-report" in h) for h in ip.rec.html()]
+    assert kinds == [(True, False), (False, True)]  # the explanation first, then the report
+    text = next(d["text/plain"] for _, d in ip.rec.items if "out of memory on" in d["text/plain"])
+    stats = snap["stats"]
+    assert _figure(text, "allocated") == fmt_bytes(stats["final_allocated"])
+    assert _figure(text, "reserved") == fmt_bytes(stats["final_reserved"])
+    assert _figure(text, "kept") == fmt_bytes(ip.user_ns["kept"].untyped_storage().nbytes())
+    assert "40.0 MiB requested" in text and "why: fragmentation" in text
+    assert re.search(r"largest free \(large\) +20\.0 MiB", text)
+    assert re.search(r"expandable_segments +\d+ MiB fits", text)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert "raise torch.OutOfMemoryError" in out and "memlab" not in out.split("Traceback")[-1]
+    assert ip.user_ns["probe"]() is None  # the failed frame's tensor is released
+    assert ip.user_ns["kept"].numel() == 2**20  # the user's own variables are not
+    assert run(ip, "%%gpumem -q\nafter = torch.ones(3)").success
+
+
+def _figure(text: str, label: str) -> str:
+    m = re.search(rf"\n  {re.escape(label)} +(\S+ \S+)", text)
+    assert m is not None, f"{label} not in {text}"
+    return m.group(1)

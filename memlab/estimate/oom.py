@@ -234,3 +234,26 @@ def stream_levers(
 
 def _without(gone: set[int]) -> Callable[[int, int], int]:
     return lambda s, n: 0 if s in gone else n
+
+
+def state_levers(e: OOMExplanation, activations: int, held: Mapping[str, int]) -> list[Lever]:
+    """Levers judged at the moment of the failure, from the cache's figures alone: what the
+    allocator would need then (allocated + the request), less what each lever removes."""
+    need = e.allocated + round_size(e.requested)
+
+    def lever(name: str, how: str, bytes_needed: int, page: int = SMALL_BUFFER) -> Lever:
+        peak = _pages(bytes_needed, page)
+        return Lever(name, how, peak, None if e.capacity is None else peak <= e.capacity)
+
+    found = []
+    if activations:
+        how = "`with torch.autocast('cuda', dtype=torch.bfloat16):` around the forward"
+        found.append(lever("AMP (bf16)", how + " (activations halved)", need - activations // 2))
+        how = "a quarter of the batch per step, `loss / 4` backward 4 times, then the step"
+        found.append(lever("batch ÷ 4, accumulate 4", how, need - activations * 3 // 4))
+    if e.fragmented:
+        how = "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` before the first CUDA call"
+        found.append(lever("expandable_segments", how, need, LARGE_BUFFER))
+    for name, nbytes in sorted(held.items(), key=lambda kv: -kv[1])[:2]:
+        found.append(lever(f"del {name}", f"`del {name}` before the step", need - nbytes))
+    return found

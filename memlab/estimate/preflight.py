@@ -131,7 +131,7 @@ class Flight:
                 self.allocator.segments(),
                 [(s, self.sizes[s]) for s in self.handles],
                 set(self.saved),
-                self._names(),
+                variable_names(self.ledger, self.namespace, self.hidden),
             )
 
     def _free(self, serial: int, nbytes: int) -> None:
@@ -148,31 +148,6 @@ class Flight:
                 return frame.f_lineno
             frame = frame.f_back
         return None
-
-    def _names(self) -> dict[int, list[str]]:
-        """Which user variables hold which storages (tensors, and those directly in short
-        lists, tuples and dicts), by ``type()``: none of the user's code runs."""
-        names: dict[int, list[str]] = {}
-
-        def note(name: str, value: Any) -> None:
-            if issubclass(type(value), torch.Tensor):
-                serial = self.ledger.serial_of(value)
-                if serial is not None:
-                    names.setdefault(serial, []).append(name)
-
-        for name, value in list(self.namespace.items()):
-            if name[:1] == "_" or name in self.hidden:
-                continue
-            kind = type(value)
-            if kind in (list, tuple) and len(value) <= MAX_SCAN:
-                for i, v in enumerate(value):
-                    note(f"{name}[{i}]", v)
-            elif kind is dict and len(value) <= MAX_SCAN:
-                for k, v in value.items():
-                    note(f"{name}[{k!r}]", v)
-            else:
-                note(name, value)
-        return names
 
     # -- the result ------------------------------------------------------------------------------
     def role(self, serial: int, saved: set[int]) -> str:
@@ -253,3 +228,31 @@ def _label(card: GPU) -> str:
     if card.name.startswith("custom "):
         return f"a {card.name.removeprefix('custom ')} GPU"
     return card.describe()
+
+
+def variable_names(
+    ledger: Ledger, namespace: dict[str, Any], hidden: Container[str] = ()
+) -> dict[int, list[str]]:
+    """Which user variables hold which storages (by serial): tensors, and those directly in
+    short lists, tuples and dicts; found by ``type()``, so none of the user's code runs."""
+    names: dict[int, list[str]] = {}
+
+    def note(name: str, value: Any) -> None:
+        if issubclass(type(value), torch.Tensor):
+            serial = ledger.serial_of(value)
+            if serial is not None:
+                names.setdefault(serial, []).append(name)
+
+    for name, value in list(namespace.items()):
+        if name[:1] == "_" or name in hidden:
+            continue
+        kind = type(value)
+        if kind in (list, tuple) and len(value) <= MAX_SCAN:
+            for i, v in enumerate(value):
+                note(f"{name}[{i}]", v)
+        elif kind is dict and len(value) <= MAX_SCAN:
+            for k, v in value.items():
+                note(f"{name}[{k!r}]", v)
+        else:
+            note(name, value)
+    return names

@@ -21,6 +21,7 @@ from memlab.magic.args import (
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
 from memlab.magic.namespace import watchable
+from memlab.magic.oom import OOMHooks, release
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.plot import png
@@ -50,9 +51,9 @@ def one_line(r: MemoryReport, cell: int | None = None) -> str:
 
 @magics_class
 class GpumemMagics(Magics):
-    def __init__(self, shell: Any, preflight: Any = None) -> None:
+    def __init__(self, shell: Any, preflight: Any = None, after_oom: Any = None) -> None:
         super().__init__(shell)
-        self._preflight = preflight
+        self._oom = OOMHooks(preflight, after_oom)
         self.sh: Any = shell  # never None once registered
         # kept on the shell, so that %reload_ext memlab keeps the kernel's history
         self.history: History = getattr(shell, "_memlab_history", None) or History()
@@ -72,7 +73,7 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
-        flight = self._flight(opts)
+        flight = self._oom.flight(opts.gpu, self.sh)
         try:
             body, expr, quiet = compile_cell(self.sh, source, header)
         except SyntaxError as e:
@@ -88,11 +89,13 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
-            self._land(flight, opts)
+            self._oom.land(flight, opts.quiet)
+            self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
             self._publish(region, opts)
             without_memlab(e)
+            release(e)
             raise
-        self._land(flight, opts)
+        self._oom.land(flight, opts.quiet)
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None
@@ -117,29 +120,6 @@ class GpumemMagics(Magics):
             )
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
-
-    def _flight(self, opts: Options) -> Any:
-        """``--gpu``: the replay of the cell through that GPU's allocator model, or None."""
-        if opts.gpu is None:
-            return None
-        if self._preflight is None:
-            raise UsageError("%gpumem --gpu needs the extension loaded by %load_ext memlab.")
-        try:
-            return self._preflight(opts.gpu, self.sh.user_ns, self.sh.user_ns_hidden)
-        except ValueError as e:
-            raise UsageError(f"%gpumem {e}") from None
-
-    def _land(self, flight: Any, opts: Options) -> None:
-        """The pre-flight's verdict, shown before the cell's report (and its traceback)."""
-        if flight is None:
-            return
-        try:
-            result = flight.stop()
-        except Exception as e:  # never hide the cell's own outcome behind ours
-            print(f"memlab: no pre-flight for this cell: {e}.")
-            return
-        if not opts.quiet:
-            display(result)
 
     def _publish(self, region: track, opts: Options) -> None:
         try:
