@@ -206,7 +206,7 @@ class Flight:
         )
         levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
         return explain(
-            where=f"{_label(self.card)} (predicted)",
+            where=f"predicted {_label(self.card)}",
             requested=found.requested,
             capacity=self.card.usable,
             segments=found.segments,
@@ -224,9 +224,9 @@ class Flight:
 
 
 def _label(card: GPU) -> str:
-    """ "T4 (16 GiB)"; a card given by its size: "a 24 GiB GPU"."""
+    """ "T4 (16 GiB)"; a card given by its size: "24 GiB GPU"."""
     if card.name.startswith("custom "):
-        return f"a {card.name.removeprefix('custom ')} GPU"
+        return f"{card.name.removeprefix('custom ')} GPU"
     return card.describe()
 
 

@@ -163,7 +163,7 @@ class OOMExplanation(Result):
         parts = [warning(self.headline())]
         if self.line is not None and self.source.strip():
             parts.append(f"<div><code>line {self.line}: {escape(self.source.strip())}</code></div>")
-        parts.append(f"<table>{'<tr>' + code_cell('why: ' + self.cause, NAME) + '</tr>'}</table>")
+        parts.append(f"<div>{_code('why: ' + self.cause)}</div>")
         rows = [text_cell(k, NAME) + num_cell(v) for k, v in self.figures() if v is not None]
         rows.append(text_cell("fragmentation", NAME) + text_cell(f"{self.fragmentation:.0%}", CELL))
         parts.append(table(["figure", "bytes"], rows, "memlab-oom-figures"))
@@ -265,3 +265,9 @@ class Preflight(Result):
             "peak_reserved": self.peak_reserved,
             "oom": None if self.oom is None else self.oom.to_dict(),
         }
+
+
+def _code(text: str) -> str:
+    """Escaped text whose code, marked `like this`, is set in ``<code>``."""
+    parts = escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
