@@ -169,7 +169,7 @@ def test_a_cell_that_fits(ip: Any) -> None:
 
 def test_a_cell_that_does_not_fit_names_the_line_and_what_holds_the_memory(ip: Any) -> None:
     cell = (
-        "%%gpumem --gpu 1GiB\n"
+        "%%gpumem --gpu 1GiB -o pf\n"
         "a = torch.empty(200 * 2**20 // 4)\n"
         "b = torch.empty(200 * 2**20 // 4)\n"
         "c = torch.empty(200 * 2**20 // 4)\n"
@@ -184,6 +184,11 @@ def test_a_cell_that_does_not_fit_names_the_line_and_what_holds_the_memory(ip: A
     assert re.search(rf"\n  a +{a // MiB} MiB\n  b +{b // MiB} MiB\n", text)
     assert "line 2: a = torch.empty" in text and "line 3: b = torch.empty" in text
     assert "del a" in text and "once it is no longer needed, before line 4" in text
+    oom = ip.user_ns["pf"].oom  # -o keeps the pre-flight
+    assert not ip.user_ns["pf"].fits and oom.line == 4
+    assert oom.requested == ip.user_ns["c"].untyped_storage().nbytes()
+    assert dict(oom.by_name) == {"a": a, "b": b}
+    assert oom.allocated >= a + b and oom.allocated + oom.requested > oom.capacity
     # the next cell runs, and memlab installed nothing that stayed
     assert run(ip, "%%gpumem -q\nz = 1").success
 

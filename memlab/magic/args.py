@@ -65,7 +65,7 @@ def _parser() -> _Parser:
         "--out",
         default=None,
         metavar="NAME",
-        help="store the report object in the variable NAME.",
+        help="store the report object in the variable NAME (with --gpu: the pre-flight).",
     )
     p.add_argument(
         "-q",

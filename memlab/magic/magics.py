@@ -89,13 +89,13 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
-            self._oom.land(flight, opts.quiet)
+            self._oom.land(flight, opts, self.sh)
             self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
             self._publish(region, opts)
             without_memlab(e)
             release(e)
             raise
-        self._oom.land(flight, opts.quiet)
+        self._oom.land(flight, opts, self.sh)
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None
@@ -130,7 +130,7 @@ class GpumemMagics(Magics):
         for r in reports:
             self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
-        if opts.out:
+        if opts.out and not opts.gpu:  # with --gpu, -o keeps the pre-flight
             self.sh.user_ns[opts.out] = result
         if opts.quiet:
             return

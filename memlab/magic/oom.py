@@ -33,8 +33,9 @@ class OOMHooks:
         except ValueError as e:
             raise UsageError(f"%gpumem {e}") from None
 
-    def land(self, flight: Any, quiet: bool) -> None:
-        """The pre-flight's verdict, shown before the cell's report (and its traceback)."""
+    def land(self, flight: Any, opts: Any, shell: Any) -> None:
+        """The pre-flight's verdict, shown before the cell's report (and its traceback), and
+        kept in ``-o NAME``."""
         if flight is None:
             return
         try:
@@ -42,7 +43,9 @@ class OOMHooks:
         except Exception as e:  # never hide the cell's own outcome behind ours
             print(f"memlab: no pre-flight for this cell: {e}.")
             return
-        if not quiet:
+        if opts.out:
+            shell.user_ns[opts.out] = result
+        if not opts.quiet:
             display(result)
 
     def explain(self, e: BaseException, device: str, shell: Any, quiet: bool) -> None:
