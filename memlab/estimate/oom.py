@@ -61,10 +61,19 @@ def cause_of(
     if capacity is not None and segment_size(round_size(requested)) > capacity:
         return (f"the request alone is larger than the {fmt_bytes(capacity)} usable", False)
     outside = None if capacity is None else max(0, capacity - reserved)
-    if outside is not None and free + outside >= requested and largest < requested:
+    if free >= requested > largest:
         return (
             f"fragmentation: {fmt_bytes(free)} is free in the {pool} pool's cache but in pieces, "
-            f"the largest {fmt_bytes(largest)}, and only {fmt_bytes(outside)} is left to reserve",
+            f"the largest {fmt_bytes(largest)}"
+            + ("" if outside is None else f", and only {fmt_bytes(outside)} is left to reserve"),
+            True,
+        )
+    segment = segment_size(round_size(requested))
+    if outside is not None and free + outside >= requested and outside < segment:
+        return (
+            f"the request needs a new {fmt_bytes(segment)} segment and only {fmt_bytes(outside)} "
+            f"is left to reserve ({fmt_bytes(free)} free in the {pool} pool's cache, the "
+            f"largest piece {fmt_bytes(largest)})",
             True,
         )
     if outside is not None and cached + outside >= requested:
@@ -186,18 +195,20 @@ def stream_levers(
     fragmented: bool = False,
 ) -> list[Lever]:
     """The levers for a recorded stream, each predicted by replaying the stream changed as the
-    lever would change it. ``roles``: each serial's category; ``held``: storages behind the
+    lever would change it. ``roles``: each serial's category (AMP halves activations and
+    temporaries; a quarter batch quarters inputs as well); ``held``: storages behind the
     user's variables and when to drop them (a `del` lever for each of the largest two)."""
     scaled = ("activation", "temporary")
-    shrinking = any(roles.get(s) in scaled for s, n in stream if n > 0)
+    # AMP and smaller batches shrink a step's activations: offered where autograd saved some
+    shrinking = any(roles.get(s) == "activation" for s, n in stream if n > 0)
 
     def fit(name: str, how: str, size: Callable[[int, int], int]) -> Lever:
         limited = replay_peak(stream, size, capacity)
         peak = limited if limited >= 0 else replay_peak(stream, size, None)
         return Lever(name, how, peak, None if capacity is None else limited >= 0)
 
-    def times(f: float) -> Callable[[int, int], int]:
-        return lambda s, n: int(n * f) if roles.get(s) in scaled else n
+    def times(f: float, also: tuple[str, ...] = ()) -> Callable[[int, int], int]:
+        return lambda s, n: int(n * f) if roles.get(s) in scaled + also else n
 
     found = []
     if shrinking:
@@ -213,8 +224,8 @@ def stream_levers(
             fit(
                 "batch ÷ 4, accumulate 4",
                 "a quarter of the batch per step and `loss / 4` backward 4 times before "
-                "`optimizer.step()` (activations and temporaries ÷ 4)",
-                times(0.25),
+                "`optimizer.step()` (activations, temporaries and input batches ÷ 4)",
+                times(0.25, ("input",)),
             )
         )
     if fragmented:

@@ -23,8 +23,9 @@ from memlab.core.categories import Category, stronger
 from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
-from memlab.estimate.oom import explain, stream_levers
+from memlab.estimate.oom import explain, replay_peak, stream_levers
 from memlab.reports.oom import LiveTensor, Preflight
+from memlab.reports.units import fmt_bytes
 
 #: Containers longer than this are not looked into for variable names.
 MAX_SCAN = 1000
@@ -163,17 +164,20 @@ class Flight:
     def result(self) -> Preflight:
         stats = self.allocator.stats
         found = self.failure
-        oom = None
-        if found is not None:
-            oom = self._explain(found)
-        return Preflight(
-            _label(self.card), self.card.usable, stats.peak_allocated, stats.peak_reserved, oom
-        )
+        if found is None:
+            return Preflight(
+                _label(self.card), self.card.usable, stats.peak_allocated, stats.peak_reserved
+            )
+        # past the failure the replay stopped: what the whole cell needs, on an unlimited card
+        unlimited = replay_peak(self.stream, lambda s, n: n, None)
+        card = _label(self.card)
+        explained = self._explain(found)
+        return Preflight(card, self.card.usable, stats.peak_allocated, unlimited, explained)
 
     def _explain(self, found: _Failure) -> Any:
-        def source(line: int | None) -> str:
+        def source(line: int | None, serial: int | None = None) -> str:
             if line is None or self.filename is None:
-                return ""
+                return "before this cell" if serial in self.before else ""
             return linecache.getline(self.filename, line)
 
         live = [
@@ -182,7 +186,7 @@ class Flight:
                 self.role(s, found.saved),
                 tuple(found.names.get(s, ())),
                 self.lines.get(s),
-                source(self.lines.get(s)),
+                source(self.lines.get(s), s),
             )
             for s, n in found.live
         ]
@@ -201,6 +205,9 @@ class Flight:
             for name, serials in holding.items()
         }
         roles = {s: self.role(s, self.ever_saved) for s, n in self.stream if n > 0}
+        for s in self.before:  # from before the cell and read by autograd: the input batch
+            if roles.get(s) == str(Category.ACTIVATION):
+                roles[s] = str(Category.INPUT)
         probe = explain(
             where="", requested=found.requested, capacity=self.card.usable, segments=found.segments
         )
@@ -224,9 +231,9 @@ class Flight:
 
 
 def _label(card: GPU) -> str:
-    """ "T4 (16 GiB)"; a card given by its size: "24 GiB GPU"."""
+    """ "T4 (16 GiB)"; a card given by its size: "24.0 GiB GPU"."""
     if card.name.startswith("custom "):
-        return f"{card.name.removeprefix('custom ')} GPU"
+        return f"{fmt_bytes(card.memory)} GPU"
     return card.describe()
 
 

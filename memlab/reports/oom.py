@@ -34,13 +34,14 @@ class LiveTensor:
     category: str
     #: The user's variables that hold it (``x``, ``outs[3]``), if any.
     names: tuple[str, ...] = ()
-    #: The cell line that allocated it (1-based, as the cell shows it), and its text.
+    #: The cell line that allocated it (1-based, as the cell shows it), and its text (without a
+    #: line: where it comes from, e.g. "before this cell").
     line: int | None = None
     source: str = ""
 
     def where(self) -> str:
         if self.line is None:
-            return ""
+            return self.source
         code = self.source.strip()
         return f"line {self.line}: {code if len(code) <= 60 else code[:59] + '…'}"
 
@@ -230,7 +231,10 @@ class Preflight(Result):
 
     gpu: str  # "T4 (16 GiB)"
     usable: int
+    #: Up to the first failure, if any.
     peak_allocated: int
+    #: The cell's peak reserved bytes; when it does not fit, on a card without a limit (what it
+    #: would need).
     peak_reserved: int
     #: The explanation of the first simulated out-of-memory; None when the cell fits.
     oom: OOMExplanation | None = None
@@ -246,7 +250,10 @@ class Preflight(Result):
                 f" of {fmt_bytes(self.usable)} usable"
             )
         at = f" at line {self.oom.line}" if self.oom.line is not None else ""
-        return f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at}"
+        return (
+            f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at} · needs "
+            f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
+        )
 
     def text(self) -> str:
         return self.headline() + ("" if self.oom is None else "\n" + self.oom.text())
