@@ -62,7 +62,24 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext memlab``: register the magics. Does not initialise CUDA."""
     from memlab.magic import load
 
-    load(ipython)
+    load(ipython, preflight=_preflight, after_oom=_after_oom)
+
+
+def _preflight(spec: str, namespace: dict[str, Any], hidden: Any) -> Any:
+    """``%%gpumem --gpu``: the estimator's replay of a cell (the magic's floor cannot import
+    the estimator's, so it is passed in from here)."""
+    from memlab.core.ledger import default_ledger
+    from memlab.estimate.gpus import parse
+    from memlab.estimate.preflight import Flight
+
+    return Flight(parse(spec, "--gpu"), default_ledger(), namespace, hidden)
+
+
+def _after_oom(error: BaseException, device: str, namespace: dict[str, Any], hidden: Any) -> Any:
+    """``%%gpumem`` meeting an out-of-memory: the estimator's explanation of it."""
+    from memlab.estimate.after_oom import after_oom
+
+    return after_oom(error, device, namespace=namespace, hidden=hidden)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -22,11 +22,13 @@ from memlab import Breakdown, Category, Graph, MemoryReport, Reports
 from memlab.core.warn import MemlabDeprecationWarning
 from memlab.estimate import Estimate, StrategyTable, compare, strategies
 from memlab.estimate.gpus import GPUS
+from memlab.estimate.oom import explain
 from memlab.estimate.trace import ReplayResult, StreamDiff, replay, synthetic
 from memlab.estimate.trace import diff as compare_streams
 from memlab.graphs.model import Node, Saved
 from memlab.graphs.retained import Retained, RetainedReport
 from memlab.magic.history import History
+from memlab.reports.oom import Lever, LiveTensor, OOMExplanation, Preflight
 from memlab.reports.protocol import Result
 from memlab.step.comparison import Comparison
 from memlab.whatif import RunConfig, RunResult
@@ -134,6 +136,32 @@ def stream_diff() -> StreamDiff:
     return compare_streams(mine, real)
 
 
+def oom(label: str = "x") -> OOMExplanation:
+    live = [
+        LiveTensor(64 * MiB, "activation", (), 4, "y = net(x)"),
+        LiveTensor(32 * MiB, "other", (label,), 2, f"{label} = torch.empty(2**23)"),
+        LiveTensor(MiB, "parameter"),
+    ]
+    levers = [
+        Lever("AMP (bf16)", "`torch.autocast('cuda', dtype=torch.bfloat16)`", 70 * MiB, True),
+        Lever(f"del {label}", f"`del {label}` before this cell", 98 * MiB, False),
+    ]
+    segments = [
+        {"total_size": 100 * MiB, "blocks": [{"size": 97 * MiB, "state": "active_allocated"}]}
+    ]
+    return explain(
+        where="predicted T4 (16 GiB)",
+        requested=40 * MiB,
+        capacity=120 * MiB,
+        segments=segments,
+        live=live,
+        levers=levers,
+        line=4,
+        source="y = net(x)",
+        notes=("one note",),
+    )
+
+
 #: name of the golden files -> a deterministic result of that type
 RESULTS: dict[str, Callable[[], Result]] = {
     "reports": lambda: Reports((report(), report(device="meta"))),
@@ -150,6 +178,9 @@ RESULTS: dict[str, Callable[[], Result]] = {
     "graph": graph,
     "replay_result": replayed,
     "stream_diff": stream_diff,
+    "oom_explanation": oom,
+    "preflight": lambda: Preflight("T4 (16 GiB)", 15 * 1024 * MiB, 90 * MiB, 122 * MiB, oom()),
+    "preflight_fits": lambda: Preflight("L4 (24 GiB)", 23 * 1024 * MiB, 90 * MiB, 122 * MiB),
 }
 
 
@@ -217,6 +248,7 @@ def test_the_strategy_table_keeps_compare_for_one_release() -> None:
         lambda: retained(EVIL),
         lambda: graph(EVIL),
         lambda: dataclasses.replace(replayed(), first_divergence=_divergence()),
+        lambda: oom(EVIL),
     ],
 )
 def test_user_strings_are_escaped(make: Callable[[], Result]) -> None:

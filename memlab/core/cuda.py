@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,6 +64,17 @@ def headroom(device: torch.device | int) -> int:
     """What a step on the device could use at most: allocated now plus the driver's free."""
     free, _ = torch.cuda.mem_get_info(device)
     return int(free) + allocated(device)
+
+
+def cache_state(index: int) -> tuple[list[dict[str, Any]], int] | None:
+    """The caching allocator's segments on the device (``torch.cuda.memory_snapshot()``'s, each
+    with its blocks) and what it may reserve in all (reserved now plus the driver's free), or
+    None before CUDA is initialised."""
+    if not torch.cuda.is_initialized():
+        return None
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
+    free, _ = torch.cuda.mem_get_info(index)
+    return segments, int(free) + int(torch.cuda.memory_reserved(index))
 
 
 def driver_view(index: int) -> DriverView:

@@ -109,6 +109,13 @@ class Ledger:
             self.settle()
             return [e for e in self._entries.values() if e.device == device]
 
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        """The serial of ``t``'s storage if the ledger follows it; registers nothing and takes
+        no lock (a listener may ask from inside a callback)."""
+        storage = storage_of(t)
+        entry = None if storage is None else self._entries.get(id(storage))
+        return entry.serial if entry is not None and entry.ref() is storage else None
+
     def __len__(self) -> int:
         self.settle()
         return len(self._entries)

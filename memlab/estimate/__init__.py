@@ -1,5 +1,6 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
+from memlab.estimate.after_oom import after_oom
 from memlab.estimate.distributed import RankMemory, StrategyTable, compare, per_rank, strategies
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.predict import estimate
@@ -11,6 +12,7 @@ __all__ = [
     "Estimate",
     "RankMemory",
     "StrategyTable",
+    "after_oom",
     "compare",
     "estimate",
     "per_rank",

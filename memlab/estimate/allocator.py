@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 KiB, MiB = 1024, 1024**2
 MIN_BLOCK = 512
@@ -122,6 +123,29 @@ class CachingAllocator:
             for _, _, b in list(pool):
                 if b.prev is None and b.next is None:
                     self._release(b)
+
+    def segments(self) -> list[dict[str, Any]]:
+        """The cache now, in the format of ``torch.cuda.memory_snapshot()``'s segments: each
+        with its ``address``, ``total_size`` and ``blocks`` (``size``, ``state``) in address
+        order."""
+        blocks = [b for pool in self._free.values() for _, _, b in pool]
+        blocks += self._live.values()
+        by_segment: dict[int, list[Block]] = {}
+        for b in blocks:
+            by_segment.setdefault(b.segment, []).append(b)
+        return [
+            {
+                "address": base,
+                "total_size": sum(b.size for b in members),
+                "stream": members[0].stream,
+                "segment_type": "small" if members[0].small else "large",
+                "blocks": [
+                    {"size": b.size, "state": "inactive" if b.free else "active_allocated"}
+                    for b in sorted(members, key=lambda b: b.addr)
+                ],
+            }
+            for base, members in sorted(by_segment.items())
+        ]
 
     def block_size(self, handle: int) -> int:
         """What ``memory_allocated`` counts for this allocation (may exceed the request)."""

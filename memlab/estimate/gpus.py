@@ -19,6 +19,7 @@ cards' figures are PyTorch's documented defaults, not yet checked on each card: 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -87,3 +88,34 @@ def matching(name: str, memory: int, major: int) -> GPU:
         if g.name.split()[0] in name and abs(g.memory - memory) < 4 * GiB:
             return g
     return GPU(name, memory, HOPPER_WORKSPACE if major >= 9 else PRE_HOPPER_WORKSPACE)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
+_UNIT = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": GiB * 1024}
+_UNIT |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse(spec: str, option: str = "gpu") -> GPU:
+    """A GPU from a user's text: a preset's name ("T4", "a100 80gb") or a size with its unit
+    ("24GiB", "16 GB"). A ValueError names ``option``, what it got and what to pass."""
+    if _SIZE.match(spec):
+        try:
+            return _sized(spec)
+        except ValueError as e:
+            raise ValueError(f"{option} got {spec!r}: {e} Pass a larger size.") from None
+    for name, g in GPUS.items():
+        if name.replace(" ", "").lower() == spec.replace(" ", "").lower():
+            return g
+    raise ValueError(
+        f"{option} got {spec!r}: pass one of {', '.join(GPUS)} (quoted if it has a space), "
+        "or a size such as 24GiB."
+    )
+
+
+def _sized(spec: str) -> GPU:
+    m = _SIZE.match(spec)
+    assert m is not None
+    size = int(float(m.group(1)) * _UNIT[m.group(2).lower()])
+    found = gpu(size)
+    assert found is not None
+    return found

@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def load(ipython: Any) -> None:
+def load(ipython: Any, preflight: Any = None, after_oom: Any = None) -> None:
     """Registers the magics, once: loading again (``memlab.autoload`` and a notebook's own
-    ``%load_ext memlab``) does nothing."""
+    ``%load_ext memlab``) does nothing. ``preflight(spec, namespace, hidden)``: what
+    ``%%gpumem --gpu`` replays a cell through; ``after_oom(error, device, namespace, hidden)``:
+    what explains an out-of-memory (the estimator's, both passed in from above)."""
     if getattr(ipython, "_memlab_magics", None) is not None:
         return
     from memlab.magic.magics import GpumemMagics
 
-    magics = GpumemMagics(ipython)
+    magics = GpumemMagics(ipython, preflight, after_oom)
     ipython.register_magics(magics)
     ipython._memlab_magics = magics
 

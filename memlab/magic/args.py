@@ -65,7 +65,7 @@ def _parser() -> _Parser:
         "--out",
         default=None,
         metavar="NAME",
-        help="store the report object in the variable NAME.",
+        help="store the report object in the variable NAME (with --gpu: the pre-flight).",
     )
     p.add_argument(
         "-q",
@@ -74,6 +74,14 @@ def _parser() -> _Parser:
         help="show nothing (the report still goes to %%gpumem_history and -o).",
     )
     p.add_argument("-l", "--label", default=None, help="a label for the report and the history.")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="GPU",
+        help="pre-flight: track the cell on the CPU and replay its allocations through the "
+        "allocator model of this GPU (a preset such as T4, 'A100 80GB', or a size such as "
+        "24GiB): would it run out of memory there, at which line, and what would make it fit.",
+    )
     p.add_argument("words", nargs="*", help=argparse.SUPPRESS)
     return p
 
@@ -97,6 +105,7 @@ class Options:
     out: str | None
     quiet: bool
     label: str | None
+    gpu: str | None = None
 
 
 def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
@@ -112,8 +121,13 @@ def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
         )
     if ns.out is not None:
         ns.out = variable_name(ns.out, "%gpumem")
+    if ns.gpu is not None and ns.device not in (None, "cpu"):
+        raise UsageError(
+            f"%gpumem --gpu tracks the cell on the CPU: drop -d {ns.device} (or drop --gpu to "
+            "measure on the device)."
+        )
     return Options(
-        ns.device, ns.breakdown, ns.timeline, ns.reset, ns.driver, ns.out, ns.quiet, label
+        ns.device, ns.breakdown, ns.timeline, ns.reset, ns.driver, ns.out, ns.quiet, label, ns.gpu
     )
 
 

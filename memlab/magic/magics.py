@@ -21,6 +21,7 @@ from memlab.magic.args import (
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
 from memlab.magic.namespace import watchable
+from memlab.magic.oom import OOMHooks, release
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.plot import png
@@ -50,8 +51,9 @@ def one_line(r: MemoryReport, cell: int | None = None) -> str:
 
 @magics_class
 class GpumemMagics(Magics):
-    def __init__(self, shell: Any) -> None:
+    def __init__(self, shell: Any, preflight: Any = None, after_oom: Any = None) -> None:
         super().__init__(shell)
+        self._oom = OOMHooks(preflight, after_oom)
         self.sh: Any = shell  # never None once registered
         # kept on the shell, so that %reload_ext memlab keeps the kernel's history
         self.history: History = getattr(shell, "_memlab_history", None) or History()
@@ -71,11 +73,14 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         region = self._region(opts)
+        flight = self._oom.flight(opts.gpu, self.sh)
         try:
             body, expr, quiet = compile_cell(self.sh, source, header)
         except SyntaxError as e:
             e.with_traceback(None)  # the cell's line is in the error itself: no memlab frames
             raise
+        if flight is not None:
+            flight.start(body.co_filename)
         try:
             with region:
                 value = execute(self.sh, body, expr)
@@ -84,9 +89,13 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
+            self._oom.land(flight, opts, self.sh)
+            self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
             self._publish(region, opts)
             without_memlab(e)
+            release(e)
             raise
+        self._oom.land(flight, opts, self.sh)
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None
@@ -99,8 +108,8 @@ class GpumemMagics(Magics):
         ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
         try:
             return track(
-                opts.device,
-                breakdown=opts.breakdown,
+                "cpu" if opts.gpu else opts.device,  # pre-flight: tracked on the CPU
+                breakdown=opts.breakdown or opts.gpu is not None,  # the roles explain an OOM
                 timeline=opts.timeline,
                 reset_peak=opts.reset,
                 driver=opts.driver,
@@ -121,7 +130,7 @@ class GpumemMagics(Magics):
         for r in reports:
             self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
-        if opts.out:
+        if opts.out and not opts.gpu:  # with --gpu, -o keeps the pre-flight
             self.sh.user_ns[opts.out] = result
         if opts.quiet:
             return
@@ -202,7 +211,7 @@ class GpumemMagics(Magics):
         if words[0] != "on":
             raise UsageError(f"%gpumem_auto: expected on or off, not {words[0]!r}.")
         opts = parse_cell_line(words[1] if len(words) > 1 else "")
-        if opts.timeline or opts.out or opts.quiet:
+        if opts.timeline or opts.out or opts.quiet or opts.gpu:
             raise UsageError("%gpumem_auto takes -d, -b, --no-reset and --driver only.")
         self._region(opts)  # validate the device now, not at the next cell
         self.auto_off()

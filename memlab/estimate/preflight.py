@@ -1,0 +1,265 @@
+"""Pre-flight: a cell tracked on the CPU, its allocation stream replayed through the allocator
+model of a GPU (``%%gpumem --gpu T4``). Would it run out of memory there, at which line, and
+what would make it fit.
+
+`Flight` is a ledger listener, attached before the cell's region opens so that it also sees the
+storages the region discovers (the model built in an earlier cell is on the GPU too). Each
+allocation is stamped with the innermost line of the cell's own file on the stack. At the first
+simulated out-of-memory it keeps the cache, the live storages and the variables that hold them;
+the explanation is built when the cell ends, once every storage's role is known.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memlab.core.categories import Category, stronger
+from memlab.core.ledger import Ledger
+from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from memlab.estimate.gpus import GPU
+from memlab.estimate.oom import explain, replay_peak, stream_levers
+from memlab.reports.oom import LiveTensor, Preflight
+from memlab.reports.units import fmt_bytes
+
+#: Containers longer than this are not looked into for variable names.
+MAX_SCAN = 1000
+
+
+@dataclass
+class _Failure:
+    requested: int
+    line: int | None
+    segments: list[dict[str, Any]]
+    live: list[tuple[int, int]]  # (serial, bytes)
+    saved: set[int]
+    names: dict[int, list[str]]
+
+
+class Flight:
+    """Replays one device's allocations through the allocator model of ``card``."""
+
+    def __init__(
+        self,
+        card: GPU,
+        ledger: Ledger,
+        namespace: dict[str, Any],
+        hidden: Container[str] = (),
+        device: str = "cpu",
+    ) -> None:
+        self.card, self.ledger, self.device = card, ledger, device
+        self.namespace, self.hidden = namespace, hidden
+        self.filename: str | None = None
+        self.allocator = CachingAllocator(card.usable)
+        self.stream: list[tuple[int, int]] = []
+        self.sizes: dict[int, int] = {}
+        self.handles: dict[int, int] = {}
+        self.lines: dict[int, int] = {}
+        self.marks: dict[int, Category] = {}
+        self.saved: set[int] = set()
+        self.ever_saved: set[int] = set()
+        self.before: set[int] = set()
+        self.freed: set[int] = set()
+        self.failure: _Failure | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, filename: str) -> None:
+        """Attach; ``filename``: the cell's, whose lines stamp the allocations."""
+        self.filename = filename
+        with self.ledger._lock:
+            for e in self.ledger.entries(self.device):
+                if e.category is not None:
+                    self.marks[e.serial] = e.category
+                if e.saved:
+                    self.saved.add(e.serial)
+                self.on_discovered(e.serial, e.nbytes)
+            self.ledger.attach(self)
+
+    def stop(self) -> Preflight:
+        self.ledger.detach(self)
+        return self.result()
+
+    # -- ledger callbacks ------------------------------------------------------------------------
+    def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        old = self.sizes.pop(serial, None)
+        if old is not None:  # a storage that grew: the allocator sees a new block
+            self._free(serial, old)
+        self._malloc(serial, (old or 0) + delta, self._line())
+
+    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
+        if category is not None:
+            self.on_mark(serial, category)
+        size = self.sizes.pop(serial, None)
+        if size is not None:
+            self._free(serial, size)
+            self.freed.add(serial)
+
+    def on_discovered(self, serial: int, nbytes: int) -> None:
+        self.before.add(serial)
+        self._malloc(serial, nbytes, None)
+
+    def on_mark(self, serial: int, category: Category) -> None:
+        self.marks[serial] = stronger(self.marks.get(serial), category) or category
+
+    def on_saved(self, serial: int, saved: bool) -> None:
+        if saved:
+            self.saved.add(serial)
+            self.ever_saved.add(serial)
+        else:
+            self.saved.discard(serial)
+
+    # -- the replay ------------------------------------------------------------------------------
+    def _malloc(self, serial: int, nbytes: int, line: int | None) -> None:
+        if nbytes <= 0:
+            return
+        self.sizes[serial] = nbytes
+        self.stream.append((serial, nbytes))
+        if line is not None:
+            self.lines[serial] = line
+        if self.failure is not None:
+            return  # past the first failure the simulated GPU's state means nothing
+        try:
+            self.handles[serial] = self.allocator.malloc(nbytes)
+        except SimulatedOutOfMemoryError:
+            self.failure = _Failure(
+                nbytes,
+                line,
+                self.allocator.segments(),
+                [(s, self.sizes[s]) for s in self.handles],
+                set(self.saved),
+                variable_names(self.ledger, self.namespace, self.hidden),
+            )
+
+    def _free(self, serial: int, nbytes: int) -> None:
+        self.stream.append((serial, -nbytes))
+        handle = self.handles.pop(serial, None)
+        if handle is not None:
+            self.allocator.free(handle)
+
+    def _line(self) -> int | None:
+        """The innermost line of the cell's own file on the stack."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            if frame.f_code.co_filename == self.filename:
+                return frame.f_lineno
+            frame = frame.f_back
+        return None
+
+    # -- the result ------------------------------------------------------------------------------
+    def role(self, serial: int, saved: set[int]) -> str:
+        mark = self.marks.get(serial)
+        if mark is not None:
+            return str(mark)
+        if serial in saved:
+            return str(Category.ACTIVATION)
+        if serial in self.freed and serial not in self.before:
+            return str(Category.TEMPORARY)
+        return str(Category.OTHER)
+
+    def result(self) -> Preflight:
+        stats = self.allocator.stats
+        found = self.failure
+        if found is None:
+            return Preflight(
+                _label(self.card), self.card.usable, stats.peak_allocated, stats.peak_reserved
+            )
+        # past the failure the replay stopped: what the whole cell needs, on an unlimited card
+        unlimited = replay_peak(self.stream, lambda s, n: n, None)
+        card = _label(self.card)
+        explained = self._explain(found)
+        return Preflight(card, self.card.usable, stats.peak_allocated, unlimited, explained)
+
+    def _explain(self, found: _Failure) -> Any:
+        def source(line: int | None, serial: int | None = None) -> str:
+            if line is None or self.filename is None:
+                return "before this cell" if serial in self.before else ""
+            return linecache.getline(self.filename, line)
+
+        live = [
+            LiveTensor(
+                n,
+                self.role(s, found.saved),
+                tuple(found.names.get(s, ())),
+                self.lines.get(s),
+                source(self.lines.get(s), s),
+            )
+            for s, n in found.live
+        ]
+        holding: dict[str, list[int]] = {}
+        for s, _ in found.live:  # what the user could drop: none of the step's own storages
+            if self.role(s, found.saved) == str(Category.OTHER):
+                for name in found.names.get(s, ()):
+                    holding.setdefault(name.split("[")[0], []).append(s)
+        held = {
+            name: (
+                serials,
+                "before this cell"
+                if self.before.issuperset(serials)
+                else f"once it is no longer needed, before line {found.line}",
+            )
+            for name, serials in holding.items()
+        }
+        roles = {s: self.role(s, self.ever_saved) for s, n in self.stream if n > 0}
+        for s in self.before:  # from before the cell and read by autograd: the input batch
+            if roles.get(s) == str(Category.ACTIVATION):
+                roles[s] = str(Category.INPUT)
+        probe = explain(
+            where="", requested=found.requested, capacity=self.card.usable, segments=found.segments
+        )
+        levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+        return explain(
+            where=f"predicted {_label(self.card)}",
+            requested=found.requested,
+            capacity=self.card.usable,
+            segments=found.segments,
+            live=live,
+            levers=levers,
+            line=found.line,
+            source=source(found.line),
+            notes=(
+                f"usable: {_label(self.card)} less {self.card.context // 2**20} MiB for the "
+                "CUDA context; cuBLAS workspaces and CUDA-only buffers not included",
+                "levers are predicted by replaying this cell's allocations, changed as each "
+                "lever would change them, through the allocator model",
+            ),
+        )
+
+
+def _label(card: GPU) -> str:
+    """ "T4 (16 GiB)"; a card given by its size: "24.0 GiB GPU"."""
+    if card.name.startswith("custom "):
+        return f"{fmt_bytes(card.memory)} GPU"
+    return card.describe()
+
+
+def variable_names(
+    ledger: Ledger, namespace: dict[str, Any], hidden: Container[str] = ()
+) -> dict[int, list[str]]:
+    """Which user variables hold which storages (by serial): tensors, and those directly in
+    short lists, tuples and dicts; found by ``type()``, so none of the user's code runs."""
+    names: dict[int, list[str]] = {}
+
+    def note(name: str, value: Any) -> None:
+        if issubclass(type(value), torch.Tensor):
+            serial = ledger.serial_of(value)
+            if serial is not None:
+                names.setdefault(serial, []).append(name)
+
+    for name, value in list(namespace.items()):
+        if name[:1] == "_" or name in hidden:
+            continue
+        kind = type(value)
+        if kind in (list, tuple) and len(value) <= MAX_SCAN:
+            for i, v in enumerate(value):
+                note(f"{name}[{i}]", v)
+        elif kind is dict and len(value) <= MAX_SCAN:
+            for k, v in value.items():
+                note(f"{name}[{k!r}]", v)
+        else:
+            note(name, value)
+    return names
