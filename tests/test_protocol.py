@@ -28,6 +28,8 @@ from memlab.graphs.model import Node, Saved
 from memlab.graphs.retained import Retained, RetainedReport
 from memlab.magic.history import History
 from memlab.reports.protocol import Result
+from memlab.snapshot import from_dict
+from memlab.snapshot.synthetic import training_snapshot
 from memlab.step.comparison import Comparison
 from memlab.whatif import RunConfig, RunResult
 
@@ -150,6 +152,7 @@ RESULTS: dict[str, Callable[[], Result]] = {
     "graph": graph,
     "replay_result": replayed,
     "stream_diff": stream_diff,
+    "snapshot": lambda: from_dict(training_snapshot(steps=1, layers=2)[0], "step.pickle"),
 }
 
 
@@ -217,6 +220,7 @@ def test_the_strategy_table_keeps_compare_for_one_release() -> None:
         lambda: retained(EVIL),
         lambda: graph(EVIL),
         lambda: dataclasses.replace(replayed(), first_divergence=_divergence()),
+        lambda: from_dict(training_snapshot(steps=1, layers=2)[0], EVIL),
     ],
 )
 def test_user_strings_are_escaped(make: Callable[[], Result]) -> None:

@@ -4,6 +4,7 @@ allocations with the line that made each, the live blocks and how fragmented the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -128,11 +129,11 @@ class Snapshot(Result):
 
         return chart_of_trace(self.trace, f"{self.path} · cuda:{self.device}")
 
-    def to_snapshot(self, path: str) -> None:
+    def to_snapshot(self, path: str | Path) -> Path:
         """Write the trace back as a snapshot (memlab's reading of it, frames cut to one)."""
         from memlab.snapshot.write import write_trace
 
-        write_trace(self.trace, path)
+        return write_trace(self.trace, path)
 
     def _figures(self) -> list[tuple[str, int]]:
         return [
@@ -162,7 +163,7 @@ class Snapshot(Result):
         for name, rows in (("largest allocations", self.top), ("live at the end", self.live)):
             lines.append(f"  {name}:")
             lines += columns(
-                ("size", "made by"), [(fmt_bytes(a.size), a.line or "?") for a in rows], "rl", 4
+                ("size", "made by"), [(fmt_bytes(a.size), a.line or "no stack recorded") for a in rows], "rl", 4
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -173,7 +174,7 @@ class Snapshot(Result):
         rows = [f"{text_cell(n)}{num_cell(v)}" for n, v in self._figures()]
         parts.append(table(["", "bytes"], rows, "memlab-snapshot-figures"))
         for name, allocs in (("largest allocations", self.top), ("live at the end", self.live)):
-            rows = [f"{num_cell(a.size)}{text_cell(a.line or '?')}" for a in allocs]
+            rows = [f"{num_cell(a.size)}{text_cell(a.line or "no stack recorded")}" for a in allocs]
             parts.append(table(["size", f"made by ({name})"], rows, "memlab-snapshot-allocations"))
         parts += [note(n) for n in self.notes]
         return "\n".join(parts)
