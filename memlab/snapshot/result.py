@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 #: Rows in each table of the report.
 TOP = 10
+NO_STACK = "no stack recorded"
 #: Points a `Timeline` keeps (the extremes of each stretch survive).
 TIMELINE_POINTS = 4_000
 
@@ -163,7 +164,10 @@ class Snapshot(Result):
         for name, rows in (("largest allocations", self.top), ("live at the end", self.live)):
             lines.append(f"  {name}:")
             lines += columns(
-                ("size", "made by"), [(fmt_bytes(a.size), a.line or "no stack recorded") for a in rows], "rl", 4
+                ("size", "made by"),
+                [(fmt_bytes(a.size), a.line or NO_STACK) for a in rows],
+                "rl",
+                4,
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -174,7 +178,7 @@ class Snapshot(Result):
         rows = [f"{text_cell(n)}{num_cell(v)}" for n, v in self._figures()]
         parts.append(table(["", "bytes"], rows, "memlab-snapshot-figures"))
         for name, allocs in (("largest allocations", self.top), ("live at the end", self.live)):
-            rows = [f"{num_cell(a.size)}{text_cell(a.line or "no stack recorded")}" for a in allocs]
+            rows = [f"{num_cell(a.size)}{text_cell(a.line or NO_STACK)}" for a in allocs]
             parts.append(table(["size", f"made by ({name})"], rows, "memlab-snapshot-allocations"))
         parts += [note(n) for n in self.notes]
         return "\n".join(parts)
