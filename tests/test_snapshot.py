@@ -268,7 +268,7 @@ def test_the_chart_needs_no_network(tmp_path: Path) -> None:
     element, library, call = html.split("<script>")
     from bokeh.resources import Resources
 
-    bundle = Resources(mode="inline", components=["bokeh", "bokeh-gl"]).js_raw
+    bundle = Resources(mode="inline", components=["bokeh"]).js_raw
     assert library.removesuffix("</script>\n") == "\n".join(bundle)
     for mine in (element, call):
         assert "src=" not in mine and "http" not in mine and "import" not in mine

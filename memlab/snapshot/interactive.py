@@ -23,8 +23,12 @@ from memlab.snapshot.trace import GROUPS, HOVER_ALLOCATIONS, Trace, reduce
 
 #: Points drawn for the stacked areas, whatever the number of events.
 POINTS = 6_000
+#: "canvas": drawn by the browser's 2D canvas, which needs no GPU (WebGL without one is slower).
+BACKEND = "canvas"
 #: Bottom to top, one per group: muted for what was there before, then the phases.
 COLOURS = ("#95a5a6", "#2e86c1", "#e67e22", "#8e44ad", "#16a085")
+#: Stacking order, bottom first: what lives longest at the bottom, activations on top.
+STACK = (0, 3, 4, 2, 1)
 #: Axis text and lines that read on light and dark notebook themes alike.
 INK = "#8a8a8a"
 
@@ -41,7 +45,7 @@ class Chart:
     def _script(self, target: str) -> str:
         from bokeh.resources import Resources
 
-        js = "\n".join(Resources(mode="inline", components=["bokeh", "bokeh-gl"]).js_raw)
+        js = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
         # Wait until the output is in the page: a notebook front end may run the script before
         # it attaches the output's element.
         embed = (
@@ -99,14 +103,14 @@ def chart_of_trace(t: Trace, title: str, points: int = POINTS) -> Chart:
     keep = reduce(t.totals, points) if n else np.arange(0)
     div, unit = _scale(float(t.peak))
     stacked = t.by_group()[:, keep] / div if n else np.zeros((len(GROUPS), 0))
-    present = [g for g in range(len(GROUPS)) if n and stacked[g].any()]
+    present = [g for g in STACK if n and stacked[g].any()]
     xs, ys = _steps(t.times[keep], [stacked[g] for g in present])
     fig = figure(
         height=320,
         sizing_mode="stretch_width",
         tools="xpan,xwheel_zoom,box_zoom,reset,save",
         active_scroll="xwheel_zoom",
-        output_backend="webgl",
+        output_backend=BACKEND,
         title=title,
         x_axis_label="seconds since the trace began" if t.timed else "event",
         y_axis_label=unit,
@@ -139,6 +143,7 @@ def chart_of_trace(t: Trace, title: str, points: int = POINTS) -> Chart:
             )
         )
         fig.y_range.start = 0  # type: ignore[attr-defined]
+        fig.y_range.end = float(t.totals[i] / div) * 1.12  # type: ignore[attr-defined]
     _theme(fig)
     return Chart(title=title, item=json.dumps(json_item(fig)), events=n, points=len(xs))
 
@@ -148,7 +153,7 @@ def _allocations(fig: Any, t: Trace, div: float, hover: Any, source: Any) -> Non
     made = np.flatnonzero((t.owner >= 0) & (t.deltas > 0))
     if not len(made):
         return
-    order = np.argsort(-t.a_size, kind="stable")[:HOVER_ALLOCATIONS]
+    order = spread(t.a_size, HOVER_ALLOCATIONS)
     at = np.empty(len(t.a_size), dtype=np.int64)
     at[t.owner[made]] = made
     ev = at[order]
@@ -164,7 +169,11 @@ def _allocations(fig: Any, t: Trace, div: float, hover: Any, source: Any) -> Non
             "freed": ["live at the end" if np.isnan(e) else f"{e:.6g}" for e in t.a_end[order]],
         }
     )
-    dots = fig.scatter("x", "y", source=src, size=6, color="#2c3e50", alpha=0.6)
+    src.data["colour"] = [COLOURS[int(g)] for g in t.a_group[order]]
+    dots = fig.scatter(
+        "x", "y", source=src, size=5, color="colour", line_color=INK, alpha=0.35,
+        hover_alpha=1.0, hover_line_color="#c0392b",
+    )  # fmt: skip
     fig.add_tools(
         hover(
             renderers=[dots],
@@ -180,6 +189,19 @@ def _allocations(fig: Any, t: Trace, div: float, hover: Any, source: Any) -> Non
     )
 
 
+def spread(sizes: Any, n: int, biggest: int = 20) -> Any:
+    """Indices of up to ``n`` allocations to hover: the ``biggest`` of all, and the biggest of
+    each of the other ``n - biggest`` runs in allocation order (every stretch of time has one)."""
+    if len(sizes) <= n:
+        return np.arange(len(sizes))
+    runs = n - biggest
+    width = -(-len(sizes) // runs)
+    padded = np.concatenate([sizes, np.full(width * runs - len(sizes), -1)])
+    local = np.arange(runs) * width + padded.reshape(runs, width).argmax(axis=1)
+    top = np.argsort(-sizes, kind="stable")[:biggest]
+    return np.unique(np.concatenate([local[local < len(sizes)], top]))
+
+
 def _theme(fig: Any) -> None:
     """Transparent, with grey text: readable on a light or a dark notebook."""
     fig.background_fill_alpha = 0
@@ -190,7 +212,7 @@ def _theme(fig: Any) -> None:
         axis.axis_label_text_color = axis.major_label_text_color = INK
         axis.axis_line_color = axis.major_tick_line_color = axis.minor_tick_line_color = INK
     fig.grid.grid_line_alpha = 0.25
-    fig.legend.location = "top_left"
+    fig.add_layout(fig.legend[0], "right")  # beside the plot, never over the curve
     fig.legend.background_fill_alpha = 0.0
     fig.legend.border_line_alpha = 0.0
     fig.legend.label_text_color = INK

@@ -24,7 +24,7 @@ _BY_NAME = {g: i for i, g in enumerate(GROUPS)}
 _LIBRARY = ("/torch/", "\\torch\\", "/memlab/", "<frozen", "/site-packages/")
 _NATIVE = (".cpp", ".cu", ".h", ".cc", "??")
 #: Allocations kept for hovering, largest first.
-HOVER_ALLOCATIONS = 2_000
+HOVER_ALLOCATIONS = 500
 
 Ints = npt.NDArray[np.int64]
 Floats = npt.NDArray[np.float64]
@@ -115,7 +115,7 @@ def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trac
     """The device (busiest by default) and its `Trace`."""
     device, events = busiest(data, device)
     lines: dict[str, int] = {}
-    by_frames: dict[int, tuple[int, int]] = {}  # id(frames list) -> (line, group)
+    by_frames: dict[tuple[int, ...], tuple[int, int]] = {}  # frames' ids -> (line, group)
     times: list[float] = []
     rel: list[int] = []
     groups: list[int] = []
@@ -138,12 +138,14 @@ def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trac
         t = (float(e.get("time_us", t0)) - t0) / 1e6 if timed else float(i)
         size = int(e.get("size", 0))
         if action == "alloc":
-            frames = e.get("frames")
-            known = by_frames.get(id(frames))
+            frames = e.get("frames") or ()
+            # torch shares one dict per distinct frame between events: a stack is its ids
+            key = tuple(map(id, frames))
+            known = by_frames.get(key)
             if known is None:
                 line = source_line(frames)
                 known = (lines.setdefault(line, len(lines)), phase_of(frames))
-                by_frames[id(frames)] = known
+                by_frames[key] = known
             group = _BY_NAME.get(e.get("phase", ""), known[1])
             k = live[int(e.get("addr", 0))] = len(a_size)
             a_start.append(t)
