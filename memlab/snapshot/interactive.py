@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from memlab.snapshot.trace import GROUPS, HOVER_ALLOCATIONS, Trace, reduce
 #: Points drawn for the stacked areas, whatever the number of events.
 POINTS = 6_000
 #: "canvas": drawn by the browser's 2D canvas, which needs no GPU (WebGL without one is slower).
-BACKEND = "canvas"
+BACKEND: Literal["canvas", "svg", "webgl"] = "canvas"
 #: Bottom to top, one per group: muted for what was there before, then the phases.
 COLOURS = ("#95a5a6", "#2e86c1", "#e67e22", "#8e44ad", "#16a085")
 #: Stacking order, bottom first: what lives longest at the bottom, activations on top.
