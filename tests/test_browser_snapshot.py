@@ -174,3 +174,25 @@ def test_a_million_event_timeline_is_drawn_offline_and_explorable(
     }
     (ARTIFACTS / "snapshot-measured.json").write_text(json.dumps(measured, indent=1))
     print(measured)
+
+
+def test_a_saved_chart_opens_offline_as_a_page_of_its_own(browser: Any, tmp_path: Path) -> None:
+    """What an exported notebook or ``chart.save()`` gives: a file opened with no server."""
+    from memlab.snapshot import from_dict
+    from memlab.snapshot.synthetic import training_snapshot
+
+    data, truth = training_snapshot(steps=200)
+    path = from_dict(data, "saved").chart().save(tmp_path / "chart.html")
+    page = browser.new_page()
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    try:
+        page.goto(path.as_uri())
+        page.locator(".memlab-chart canvas").first.wait_for(state="visible", timeout=20_000)
+        view = wait_for("the chart's data", lambda: page.evaluate(VIEW_JS), 20)
+    finally:
+        page.close()
+    from memlab.reports.units import fmt_bytes
+
+    assert f"peak {fmt_bytes(truth.peak)}" in view["labels"]
+    assert requests == [path.as_uri()]  # the page itself, nothing else

@@ -164,7 +164,7 @@ def _allocations(fig: Any, t: Trace, div: float, hover: Any, source: Any) -> Non
             "size": [fmt_bytes(int(s)) for s in t.a_size[order]],
             "bytes": [f"{int(s):,}" for s in t.a_size[order]],
             "category": [GROUPS[int(g)] for g in t.a_group[order]],
-            "shape": [t.a_shape[k] or "not recorded" for k in order],
+            "shape": [t.a_shape.get(int(k), "not recorded") for k in order],
             "line": [t.lines[int(k)] or "no frames" for k in t.a_line[order]],
             "freed": ["live at the end" if np.isnan(e) else f"{e:.6g}" for e in t.a_end[order]],
         }

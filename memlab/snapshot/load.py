@@ -13,13 +13,16 @@ from memlab.snapshot.trace import parse, source_line
 from memlab.snapshot.unpickle import read
 
 
-def load_snapshot(path: str | Path, device: int | None = None) -> Snapshot:
+def load_snapshot(
+    path: str | Path, device: int | None = None, *, check_memory: bool = True
+) -> Snapshot:
     """Read a memory snapshot (``torch.cuda.memory._dump_snapshot(path)``, torch 2.4 and later;
     gzipped too) into a `Snapshot`: its peak, timeline, largest allocations with the line that
     made each, live blocks and fragmentation. ``device``: which GPU's trace (default: the one
     with the most events). The file is read by a restricted unpickler that refuses any Python
-    global, so no code in it runs."""
-    data = read(path)
+    global, so no code in it runs. A file too big for the memory left is refused before it is
+    read (``check_memory=False`` reads it anyway)."""
+    data = read(path, check_memory)
     return from_dict(data, str(path), device)
 
 

@@ -9,6 +9,7 @@ began is its own group.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class Trace:
     a_size: Ints
     a_group: npt.NDArray[np.int8]
     a_line: npt.NDArray[np.int32]
-    a_shape: tuple[str, ...]
+    a_shape: Mapping[int, str]  # allocation -> shape, where the snapshot says
     lines: tuple[str, ...]
     before: int
     timed: bool
@@ -116,18 +117,12 @@ def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trac
     device, events = busiest(data, device)
     lines: dict[str, int] = {}
     by_frames: dict[tuple[int, ...], tuple[int, int]] = {}  # frames' ids -> (line, group)
-    times: list[float] = []
-    rel: list[int] = []
-    groups: list[int] = []
-    deltas: list[int] = []
-    owner: list[int] = []
-    reserved: list[int] = []
-    a_start: list[float] = []
-    a_end: list[float] = []
-    a_size: list[int] = []
-    a_group: list[int] = []
-    a_line: list[int] = []
-    a_shape: list[str] = []
+    # compact arrays (8 bytes an entry or less), not lists of Python numbers
+    times, rel, deltas, owner, reserved = (array("d"), *(array("q") for _ in range(4)))
+    groups = array("b")
+    a_start, a_end, a_size = array("d"), array("d"), array("q")
+    a_group, a_line = array("b"), array("i")
+    a_shape: dict[int, str] = {}
     live: dict[int, int] = {}
     ooms: list[tuple[float, int, int]] = []
     total = res = unmatched = 0
@@ -153,7 +148,8 @@ def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trac
             a_size.append(size)
             a_group.append(group)
             a_line.append(known[0])
-            a_shape.append(str(e.get("shape", "")))
+            if "shape" in e:
+                a_shape[k] = str(e["shape"])
             total += size
             delta = size
         elif action in ("free_completed", "free"):
@@ -197,7 +193,7 @@ def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trac
         a_size=np.asarray(a_size, dtype=np.int64),
         a_group=np.asarray(a_group, dtype=np.int8),
         a_line=np.asarray(a_line, dtype=np.int32),
-        a_shape=tuple(a_shape),
+        a_shape=a_shape,
         lines=tuple(lines),
         before=before,
         timed=timed,
