@@ -180,8 +180,8 @@ class MemoryReport(Result):
 
     def chart(self) -> Chart:
         """The timeline as an interactive chart (zoom, pan, hover; works offline)."""
+        from memlab.snapshot.collect import parse
         from memlab.snapshot.interactive import chart_of_trace
-        from memlab.snapshot.trace import parse
         from memlab.snapshot.write import snapshot_dict, timeline_events
 
         tl = self._timeline_or_raise("chart")

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from memlab.reports.units import fmt_bytes
+from memlab.snapshot.collect import parse
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
-from memlab.snapshot.trace import parse, source_line
+from memlab.snapshot.trace import source_line
 from memlab.snapshot.unpickle import read
 
 

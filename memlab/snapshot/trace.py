@@ -9,7 +9,6 @@ began is its own group.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,95 +109,6 @@ def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]
             "pass one of those, or None for the busiest."
         )
     return device, list(traces[device]) if traces else []
-
-
-def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trace]:
-    """The device (busiest by default) and its `Trace`."""
-    device, events = busiest(data, device)
-    lines: dict[str, int] = {}
-    by_frames: dict[tuple[int, ...], tuple[int, int]] = {}  # frames' ids -> (line, group)
-    # compact arrays (8 bytes an entry or less), not lists of Python numbers
-    times, rel, deltas, owner, reserved = (array("d"), *(array("q") for _ in range(4)))
-    groups = array("b")
-    a_start, a_end, a_size = array("d"), array("d"), array("q")
-    a_group, a_line = array("b"), array("i")
-    a_shape: dict[int, str] = {}
-    live: dict[int, int] = {}
-    ooms: list[tuple[float, int, int]] = []
-    total = res = unmatched = 0
-    timed = all("time_us" in e for e in events[:1]) and bool(events)
-    t0 = float(events[0].get("time_us", 0)) if timed else 0.0
-    for i, e in enumerate(events):
-        action = e.get("action")
-        t = (float(e.get("time_us", t0)) - t0) / 1e6 if timed else float(i)
-        size = int(e.get("size", 0))
-        if action == "alloc":
-            frames = e.get("frames") or ()
-            # torch shares one dict per distinct frame between events: a stack is its ids
-            key = tuple(map(id, frames))
-            known = by_frames.get(key)
-            if known is None:
-                line = source_line(frames)
-                known = (lines.setdefault(line, len(lines)), phase_of(frames))
-                by_frames[key] = known
-            group = _BY_NAME.get(e.get("phase", ""), known[1])
-            k = live[int(e.get("addr", 0))] = len(a_size)
-            a_start.append(t)
-            a_end.append(np.nan)
-            a_size.append(size)
-            a_group.append(group)
-            a_line.append(known[0])
-            if "shape" in e:
-                a_shape[k] = str(e["shape"])
-            total += size
-            delta = size
-        elif action in ("free_completed", "free"):
-            k = live.pop(int(e.get("addr", 0)), -1)
-            if k < 0:  # made before the trace began
-                unmatched += size
-                group = BEFORE
-            else:
-                a_end[k] = t
-                group = a_group[k]
-            total -= size
-            delta = -size
-        elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
-            res += size if action in ("segment_alloc", "segment_map") else -size
-            continue
-        elif action == "oom":
-            ooms.append((t, size, int(e.get("device_free", 0))))
-            continue
-        else:
-            continue
-        times.append(t)
-        rel.append(total)
-        groups.append(group)
-        deltas.append(delta)
-        owner.append(k)
-        reserved.append(res)
-    segments = [s for s in data.get("segments", ()) if s.get("device", device) == device]
-    live_end = {a: size for a, size, active in blocks_of(segments) if active}
-    untraced = sum(size for addr, size in live_end.items() if addr not in live)
-    before = unmatched + untraced
-    reserved_end = sum(int(s.get("total_size", 0)) for s in segments)
-    return device, Trace(
-        times=np.asarray(times, dtype=np.float64),
-        totals=np.asarray(rel, dtype=np.int64) + before,
-        groups=np.asarray(groups, dtype=np.int8),
-        deltas=np.asarray(deltas, dtype=np.int64),
-        owner=np.asarray(owner, dtype=np.int64),
-        reserved=np.asarray(reserved, dtype=np.int64) + (reserved_end - res),
-        a_start=np.asarray(a_start, dtype=np.float64),
-        a_end=np.asarray(a_end, dtype=np.float64),
-        a_size=np.asarray(a_size, dtype=np.int64),
-        a_group=np.asarray(a_group, dtype=np.int8),
-        a_line=np.asarray(a_line, dtype=np.int32),
-        a_shape=a_shape,
-        lines=tuple(lines),
-        before=before,
-        timed=timed,
-        ooms=tuple(ooms),
-    )
 
 
 def blocks_of(segments: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, bool]]:
