@@ -35,6 +35,7 @@ __all__ = [
     "graph",
     "graph_of",
     "load_ipython_extension",
+    "load_snapshot",
     "make_dot",
     "track",
     "unload_ipython_extension",
@@ -42,7 +43,17 @@ __all__ = [
 
 
 #: Parts of memlab reachable as attributes after ``import memlab``, imported when first used.
-_SUBPACKAGES = ("whatif", "step", "estimate", "panel", "examples", "graphs", "reports", "course")
+_SUBPACKAGES = (
+    "whatif",
+    "step",
+    "estimate",
+    "panel",
+    "examples",
+    "graphs",
+    "reports",
+    "course",
+    "snapshot",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -51,6 +62,10 @@ def __getattr__(name: str) -> Any:
         from memlab.panel import Explorer
 
         return Explorer
+    if name == "load_snapshot":  # numpy and pickle reading: imported when first used
+        from memlab.snapshot import load_snapshot
+
+        return load_snapshot
     if name in _SUBPACKAGES:  # memlab.whatif.run(...) after a plain `import memlab`
         import importlib
 

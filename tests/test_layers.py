@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "memlab"
 #: Bottom to top. A module may import from its own floor and the floors below it.
 FLOORS = [
     ("core",),
-    ("reports",),
+    ("reports", "snapshot"),
     ("region",),
     ("graphs",),
     ("step",),

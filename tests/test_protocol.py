@@ -30,6 +30,8 @@ from memlab.graphs.retained import Retained, RetainedReport
 from memlab.magic.history import History
 from memlab.reports.oom import Lever, LiveTensor, OOMExplanation, Preflight
 from memlab.reports.protocol import Result
+from memlab.snapshot import from_dict
+from memlab.snapshot.synthetic import training_snapshot
 from memlab.step.comparison import Comparison
 from memlab.whatif import RunConfig, RunResult
 
@@ -181,6 +183,7 @@ RESULTS: dict[str, Callable[[], Result]] = {
     "oom_explanation": oom,
     "preflight": lambda: Preflight("T4 (16 GiB)", 15 * 1024 * MiB, 90 * MiB, 122 * MiB, oom()),
     "preflight_fits": lambda: Preflight("L4 (24 GiB)", 23 * 1024 * MiB, 90 * MiB, 122 * MiB),
+    "snapshot": lambda: from_dict(training_snapshot(steps=1, layers=2)[0], "step.pickle"),
 }
 
 
@@ -249,6 +252,7 @@ def test_the_strategy_table_keeps_compare_for_one_release() -> None:
         lambda: graph(EVIL),
         lambda: dataclasses.replace(replayed(), first_divergence=_divergence()),
         lambda: oom(EVIL),
+        lambda: from_dict(training_snapshot(steps=1, layers=2)[0], EVIL),
     ],
 )
 def test_user_strings_are_escaped(make: Callable[[], Result]) -> None:

@@ -52,3 +52,4 @@ class TimelineSource(Choice):
 
     TENSOR_ACCOUNTING = "tensor accounting"
     ALLOCATOR_MODEL = "allocator model"
+    SNAPSHOT = "cuda snapshot"  # a trace recorded by torch.cuda.memory._record_memory_history

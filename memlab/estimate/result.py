@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memlab.core.warn import moved
@@ -110,6 +111,10 @@ class Estimate(Result):
     def plot(self, ax: Any = None) -> Any:
         """The predicted timeline (the allocator model's allocated bytes through the step)."""
         return self.report.plot(ax)
+
+    def to_snapshot(self, path: str | Path) -> Path:
+        """The predicted timeline as a PyTorch memory snapshot (see `MemoryReport.to_snapshot`)."""
+        return self.report.to_snapshot(path)
 
     def _ipython_display_(self) -> None:
         """In a notebook: the report, then its timeline, as the estimator's docs promise."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,8 @@ from memlab.reports.protocol import Result
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from memlab.snapshot.interactive import Chart
 
 #: What ``peak_scope`` means.
 PEAK_SCOPES = {
@@ -165,6 +168,35 @@ class MemoryReport(Result):
         from memlab.reports.plot import plot_timeline
 
         return plot_timeline(self, ax)
+
+    def to_snapshot(self, path: str | Path) -> Path:
+        """Write the timeline as a PyTorch memory snapshot (a pickle that torch's viewer,
+        https://pytorch.org/memory_viz, and `memlab.load_snapshot` open). Needs a timeline
+        (``timeline=True``); allocations are made up to add up to it exactly."""
+        from memlab.snapshot.write import write_timeline
+
+        tl = self._timeline_or_raise("to_snapshot")
+        return write_timeline(path, self.allocated_before, tl.seconds, tl.allocated, tl.phases)
+
+    def chart(self) -> Chart:
+        """The timeline as an interactive chart (zoom, pan, hover; works offline)."""
+        from memlab.snapshot.collect import parse
+        from memlab.snapshot.interactive import chart_of_trace
+        from memlab.snapshot.write import snapshot_dict, timeline_events
+
+        tl = self._timeline_or_raise("chart")
+        events = timeline_events(self.allocated_before, tl.seconds, tl.allocated, tl.phases)
+        _, trace = parse(snapshot_dict(*events))
+        title = f"{self.device}{' · ' + self.label if self.label else ''} ({tl.source})"
+        return chart_of_trace(trace, title)
+
+    def _timeline_or_raise(self, what: str) -> Timeline:
+        if self.timeline is None or not len(self.timeline):
+            raise ValueError(
+                f"{what}() needs a timeline and this report has none: measure with "
+                "timeline=True (%%gpumem --timeline, or memlab.track(timeline=True))."
+            )
+        return self.timeline
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,155 @@
+"""Turning a snapshot's events into a `Trace`, a batch at a time: `Collector` takes events in
+the order recorded (all at once from a loaded dict, or batch by batch from `memlab.snapshot.
+stream` while the file is read) and keeps only compact arrays."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from memlab.snapshot.trace import (
+    _BY_NAME,
+    BEFORE,
+    Trace,
+    blocks_of,
+    busiest,
+    phase_of,
+    source_line,
+)
+
+
+class Known(tuple[int, int]):
+    """A stack already read: (index of its source line, its group). Stands in for a list of
+    frames once the events that held it are gone (see `memlab.snapshot.stream`)."""
+
+
+class Frames:
+    """Source lines and groups of stacks, each stack read once; shared by all devices."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, int] = {}
+        self._by_ids: dict[tuple[int, ...], Known] = {}
+        self._known: dict[tuple[int, int], Known] = {}
+
+    def of(self, frames: Any) -> Known:
+        if type(frames) is Known:
+            return frames
+        frames = frames or ()
+        key = tuple(map(id, frames))  # torch shares one dict per distinct frame: ids name a stack
+        known = self._by_ids.get(key)
+        if known is None:
+            line = self.lines.setdefault(source_line(frames), len(self.lines))
+            pair = (line, phase_of(frames))
+            known = self._by_ids[key] = self._known.setdefault(pair, Known(pair))
+        return known
+
+
+class Collector:
+    """One device's events, in order, into arrays."""
+
+    def __init__(self, frames: Frames) -> None:
+        self.frames = frames
+        self.events = 0
+        # compact arrays (8 bytes an entry or less), not lists of Python numbers
+        self.times, self.rel, self.deltas, self.owner, self.reserved = (
+            array("d"),
+            *(array("q") for _ in range(4)),
+        )
+        self.groups = array("b")
+        self.a_start, self.a_end, self.a_size = array("d"), array("d"), array("q")
+        self.a_group, self.a_line = array("b"), array("i")
+        self.a_shape: dict[int, str] = {}
+        self.live: dict[int, int] = {}
+        self.ooms: list[tuple[float, int, int]] = []
+        self.total = self.res = self.unmatched = 0
+        self.t0: float | None = None
+        self.timed = True
+
+    def add(self, events: Iterable[Mapping[str, Any]]) -> None:
+        frames_of, live = self.frames.of, self.live
+        a_end, a_group = self.a_end, self.a_group
+        total, res, unmatched = self.total, self.res, self.unmatched
+        for e in events:
+            if self.t0 is None:
+                self.timed = "time_us" in e
+                self.t0 = float(e.get("time_us", 0))
+            action = e.get("action")
+            i = self.events
+            self.events += 1
+            t = (float(e.get("time_us", self.t0)) - self.t0) / 1e6 if self.timed else float(i)
+            size = int(e.get("size", 0))
+            if action == "alloc":
+                line, phase = frames_of(e.get("frames"))
+                group = _BY_NAME.get(e.get("phase", ""), phase)
+                k = live[int(e.get("addr", 0))] = len(self.a_size)
+                self.a_start.append(t)
+                a_end.append(np.nan)
+                self.a_size.append(size)
+                a_group.append(group)
+                self.a_line.append(line)
+                if "shape" in e:
+                    self.a_shape[k] = str(e["shape"])
+                total += size
+                delta = size
+            elif action in ("free_completed", "free"):
+                k = live.pop(int(e.get("addr", 0)), -1)
+                if k < 0:  # made before the trace began
+                    unmatched += size
+                    group = BEFORE
+                else:
+                    a_end[k] = t
+                    group = a_group[k]
+                total -= size
+                delta = -size
+            elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+                res += size if action in ("segment_alloc", "segment_map") else -size
+                continue
+            elif action == "oom":
+                self.ooms.append((t, size, int(e.get("device_free", 0))))
+                continue
+            else:
+                continue
+            self.times.append(t)
+            self.rel.append(total)
+            self.groups.append(group)
+            self.deltas.append(delta)
+            self.owner.append(k)
+            self.reserved.append(res)
+        self.total, self.res, self.unmatched = total, res, unmatched
+
+    def finish(self, segments: Iterable[Mapping[str, Any]], device: int) -> Trace:
+        """The `Trace`, given the snapshot's segments (the state at the end)."""
+        mine = [s for s in segments if s.get("device", device) == device]
+        live_end = {a: size for a, size, active in blocks_of(mine) if active}
+        untraced = sum(size for addr, size in live_end.items() if addr not in self.live)
+        before = self.unmatched + untraced
+        reserved_end = sum(int(s.get("total_size", 0)) for s in mine)
+        return Trace(
+            times=np.asarray(self.times, dtype=np.float64),
+            totals=np.asarray(self.rel, dtype=np.int64) + before,
+            groups=np.asarray(self.groups, dtype=np.int8),
+            deltas=np.asarray(self.deltas, dtype=np.int64),
+            owner=np.asarray(self.owner, dtype=np.int64),
+            reserved=np.asarray(self.reserved, dtype=np.int64) + (reserved_end - self.res),
+            a_start=np.asarray(self.a_start, dtype=np.float64),
+            a_end=np.asarray(self.a_end, dtype=np.float64),
+            a_size=np.asarray(self.a_size, dtype=np.int64),
+            a_group=np.asarray(self.a_group, dtype=np.int8),
+            a_line=np.asarray(self.a_line, dtype=np.int32),
+            a_shape=self.a_shape,
+            lines=tuple(self.frames.lines),
+            before=before,
+            timed=self.timed and self.events > 0,
+            ooms=tuple(self.ooms),
+        )
+
+
+def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trace]:
+    """The device (busiest by default) and its `Trace`, from a loaded snapshot dict."""
+    device, events = busiest(data, device)
+    c = Collector(Frames())
+    c.add(events)
+    return device, c.finish(data.get("segments", ()), device)

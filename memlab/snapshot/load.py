@@ -1,0 +1,82 @@
+"""`load_snapshot`: a file written by ``torch.cuda.memory._dump_snapshot``, read safely, into a
+`Snapshot` report."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memlab.reports.units import fmt_bytes
+from memlab.snapshot.collect import parse
+from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
+from memlab.snapshot.trace import source_line
+from memlab.snapshot.unpickle import read
+
+
+def load_snapshot(
+    path: str | Path, device: int | None = None, *, check_memory: bool = True
+) -> Snapshot:
+    """Read a memory snapshot (``torch.cuda.memory._dump_snapshot(path)``, torch 2.4 and later;
+    gzipped too) into a `Snapshot`: its peak, timeline, largest allocations with the line that
+    made each, live blocks and fragmentation. ``device``: which GPU's trace (default: the one
+    with the most events). The file is read by a restricted unpickler that refuses any Python
+    global, so no code in it runs. A file too big for the memory left is refused before it is
+    read (``check_memory=False`` reads it anyway)."""
+    data = read(path, check_memory)
+    return from_dict(data, str(path), device)
+
+
+def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
+    """A `Snapshot` from a snapshot dict (``torch.cuda.memory._snapshot()``)."""
+    dev, trace = parse(data, device)
+    segments = [s for s in data.get("segments", ()) if s.get("device", dev) == dev]
+    blocks = [b for s in segments for b in s.get("blocks", ())]
+    active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
+    free = [int(b["size"]) for b in blocks if not str(b.get("state", "")).startswith("active")]
+    allocated = sum(int(b["size"]) for b in active)
+    traces = data.get("device_traces") or []
+    events = len(traces[dev]) if traces else 0
+    notes = []
+    if not events:
+        notes.append(
+            "no events recorded: call torch.cuda.memory._record_memory_history() before the code, "
+            "then _dump_snapshot(); the figures are the segments' at the end"
+        )
+    elif not trace.timed:
+        notes.append("the events carry no time_us: the timeline's x axis counts events")
+    end = int(trace.totals[-1]) if len(trace.totals) else trace.before
+    if events and end != allocated:
+        notes.append(
+            f"the trace ends at {fmt_bytes(end)} allocated but the segments hold "
+            f"{fmt_bytes(allocated)}: part of the trace was lost (max_entries) or the snapshot "
+            "was taken on another stream's schedule"
+        )
+    if trace.before:
+        notes.append(
+            f"{fmt_bytes(trace.before)} were allocated before the trace began (no frames for "
+            "them); they are the timeline's floor"
+        )
+    for t, size, device_free in trace.ooms:
+        notes.append(
+            f"out of memory at {t:.3f} s: {fmt_bytes(size)} asked for, "
+            f"{fmt_bytes(device_free)} free on the device"
+        )
+    live = sorted(active, key=lambda b: -int(b["size"]))[:TOP]
+    return Snapshot(
+        path=name,
+        device=dev,
+        events=events,
+        allocated=allocated,
+        reserved=sum(int(s.get("total_size", 0)) for s in segments),
+        segments=len(segments),
+        free_cache=sum(free),
+        largest_free=max(free, default=0),
+        internal_free=sum(int(b["size"]) - int(b.get("requested_size", b["size"])) for b in active),
+        live=tuple(
+            Allocation(size=int(b["size"]), line=source_line(b.get("frames"))) for b in live
+        ),
+        top=largest(trace),
+        trace=trace,
+        notes=tuple(notes),
+    )

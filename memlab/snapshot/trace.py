@@ -1,0 +1,139 @@
+"""A snapshot's events as compact arrays: what was allocated when, by whom, and the live total.
+
+The raw snapshot (dicts per event) is read once by `parse` and left behind; what remains is
+numpy arrays, one entry an event or an allocation, and a table of source lines. Allocations are
+grouped by the phase of the program that made them (forward, backward, optimizer, other), read
+from their stack frames, or from the ``phase`` key memlab writes; memory live before the trace
+began is its own group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: The groups a timeline is stacked by, bottom first.
+GROUPS = ("before the trace", "forward", "backward", "optimizer", "other")
+BEFORE, FORWARD, BACKWARD, OPTIMIZER, OTHER = range(len(GROUPS))
+_BY_NAME = {g: i for i, g in enumerate(GROUPS)}
+#: Frames from these places are the library's, not the user's line.
+_LIBRARY = ("/torch/", "\\torch\\", "/memlab/", "<frozen", "/site-packages/")
+_NATIVE = (".cpp", ".cu", ".h", ".cc", "??")
+#: Allocations kept for hovering, largest first.
+HOVER_ALLOCATIONS = 500
+
+Ints = npt.NDArray[np.int64]
+Floats = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One device's events, reduced to arrays.
+
+    ``times``/``totals``/``groups``/``deltas``: one entry per event that changed the allocated
+    total: seconds since the first event, the total after it (bytes, with what was live before
+    the trace), the group of the allocation it concerns and its signed size.
+    ``a_*``: one entry per allocation: when made and freed (``nan`` if live at the end), size,
+    group, and the index of its source line in ``lines``.
+    """
+
+    times: Floats
+    totals: Ints
+    groups: npt.NDArray[np.int8]
+    deltas: Ints
+    owner: npt.NDArray[np.int64]
+    reserved: Ints
+    a_start: Floats
+    a_end: Floats
+    a_size: Ints
+    a_group: npt.NDArray[np.int8]
+    a_line: npt.NDArray[np.int32]
+    a_shape: Mapping[int, str]  # allocation -> shape, where the snapshot says
+    lines: tuple[str, ...]
+    before: int
+    timed: bool
+    ooms: tuple[tuple[float, int, int], ...]
+
+    @property
+    def peak(self) -> int:
+        return int(max(self.before, self.totals.max(initial=self.before)))
+
+    @property
+    def peak_index(self) -> int | None:
+        return int(self.totals.argmax()) if len(self.totals) else None
+
+    def by_group(self) -> npt.NDArray[np.int64]:
+        """Live bytes by group after each event: ``[len(GROUPS), len(times)]``."""
+        out = np.zeros((len(GROUPS), len(self.deltas)), dtype=np.int64)
+        for g in range(len(GROUPS)):
+            out[g] = np.cumsum(np.where(self.groups == g, self.deltas, 0))
+        out[BEFORE] += self.before
+        return out
+
+
+def source_line(frames: Sequence[Mapping[str, Any]] | None) -> str:
+    """The innermost frame that is the user's code (not torch's, not native), as
+    ``file.py:12 in fn``; the innermost Python frame when none is; "" without frames."""
+    if not frames:
+        return ""
+    python = [f for f in frames if not str(f.get("filename", "")).endswith(_NATIVE)]
+    mine = [f for f in python if not any(p in str(f.get("filename", "")) for p in _LIBRARY)]
+    f = (mine or python or list(frames))[0]
+    return f"{f.get('filename', '?')}:{f.get('line', '?')} in {f.get('name', '?')}"
+
+
+def phase_of(frames: Sequence[Mapping[str, Any]] | None) -> int:
+    """Which phase made an allocation, read from its Python frames (innermost first)."""
+    for f in frames or ():
+        name, file = str(f.get("name", "")), str(f.get("filename", ""))
+        if "optim" in file and name in ("step", "_use_grad", "wrapper", "_init_group"):
+            return OPTIMIZER
+        if name in ("backward", "_engine_run_backward", "run_backward"):
+            return BACKWARD
+        if name == "forward" or name == "_call_impl":
+            return FORWARD
+    return OTHER
+
+
+def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]]:
+    traces = data.get("device_traces") or []
+    if device is None:
+        device = max(range(len(traces)), key=lambda i: len(traces[i]), default=0)
+    if not isinstance(device, int) or device < 0 or (traces and device >= len(traces)):
+        raise ValueError(
+            f"device={device!r}: the snapshot has traces for devices 0 to {len(traces) - 1}; "
+            "pass one of those, or None for the busiest."
+        )
+    return device, list(traces[device]) if traces else []
+
+
+def blocks_of(segments: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, bool]]:
+    """(address, size, active) of every block; a block without an address (a compacted file)
+    lies after the blocks before it in its segment, as the allocator lists them."""
+    out = []
+    for s in segments:
+        at = int(s.get("address", 0))
+        for b in s.get("blocks", ()):
+            size = int(b["size"])
+            out.append((int(b.get("address", at)), size, str(b.get("state", "")).startswith("act")))
+            at += size
+    return out
+
+
+def reduce(values: Ints, limit: int) -> npt.NDArray[np.intp]:
+    """Indices of at most ``limit`` points of ``values`` that keep its shape: the lowest and the
+    highest of each of ``limit // 2`` equal runs, in order, and the last. The peak survives."""
+    n = len(values)
+    if n <= limit:
+        return np.arange(n)
+    buckets = max(1, limit // 2 - 1)
+    width = -(-n // buckets)
+    padded = np.concatenate([values, np.full(width * buckets - n, values[-1])])
+    runs = padded.reshape(buckets, width)
+    base = np.arange(buckets) * width
+    keep = np.concatenate([base + runs.argmin(axis=1), base + runs.argmax(axis=1), [n - 1]])
+    return np.unique(np.minimum(keep, n - 1))

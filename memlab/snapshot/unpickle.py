@@ -1,0 +1,117 @@
+"""Reading a snapshot file without running its code.
+
+``torch.cuda.memory._dump_snapshot`` writes a pickle, and a pickle can name any Python callable
+(``os.system``) for the loader to call. A memory snapshot holds only dicts, lists, strings,
+numbers, booleans and ``None``, so `SafeUnpickler` refuses every global a file names, and every
+persistent id and out-of-band buffer, before anything is called. ``pickle``'s C loader does the
+rest, at its own speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import pickle
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+
+class SnapshotError(ValueError):
+    """A file that is not a memory snapshot memlab can read, and why."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain containers, strings, bytes and numbers only."""
+
+    def __init__(self, file: IO[bytes], name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> NoReturn:
+        raise SnapshotError(
+            f"{self.name} names the Python global {module}.{name}, which memlab refuses to load: "
+            "a memory snapshot holds only dicts, lists, strings and numbers, and a pickle that "
+            "names a global can run code. Load only snapshots written by "
+            "torch.cuda.memory._dump_snapshot (or memlab's to_snapshot) from a source you trust."
+        )
+
+    def persistent_load(self, pid: Any) -> NoReturn:
+        raise SnapshotError(
+            f"{self.name} holds a persistent id ({type(pid).__name__}), which no memory snapshot "
+            "has: memlab refuses it. Pass a file written by torch.cuda.memory._dump_snapshot."
+        )
+
+
+#: Bytes of memory a snapshot takes once read, per byte of its pickle (measured 7 to 10: each
+#: event is a dict and a list of frames).
+EXPANSION = 10
+
+
+def available_memory() -> int | None:
+    """What the system can still give this process (Linux's MemAvailable), or None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
+    """The snapshot dict in ``path`` (a pickle, gzipped or not), built by `SafeUnpickler`.
+
+    A file too big for the memory left is refused before reading (the kernel would be killed
+    otherwise); ``check_memory=False`` reads it anyway. Python's cyclic garbage collector is
+    paused while the pickle is read (millions of new containers would trigger it again and
+    again, for nothing) and restarted after, if it was running."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(
+            f"path={path!r} is a {type(path).__name__}: pass the path of a file written by "
+            "torch.cuda.memory._dump_snapshot, as a str or pathlib.Path."
+        )
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"path={str(path)!r}: no such file. Pass the path of a file written by "
+            "torch.cuda.memory._dump_snapshot(path) on the GPU machine."
+        )
+    with p.open("rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        if check_memory:
+            _check_memory(p, p.stat().st_size * (4 if gzipped else 1))
+        f: Any = gzip.GzipFile(fileobj=raw) if gzipped else raw
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            data = SafeUnpickler(f, str(p)).load()
+        except SnapshotError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, OSError) as e:
+            raise SnapshotError(
+                f"{p} is not a readable pickle ({type(e).__name__}: {e}): pass a file written by "
+                "torch.cuda.memory._dump_snapshot."
+            ) from e
+        finally:
+            if collecting:
+                gc.enable()
+    if not isinstance(data, dict) or "segments" not in data:
+        raise SnapshotError(
+            f"{p} holds a {type(data).__name__} without 'segments', not a memory snapshot: pass "
+            "a file written by torch.cuda.memory._dump_snapshot."
+        )
+    return data
+
+
+def _check_memory(p: Path, pickled: int) -> None:
+    free = available_memory()
+    if free is not None and pickled * EXPANSION > free:
+        raise SnapshotError(
+            f"{p} is a {pickled / 2**30:.1f} GiB pickle and reading it takes about "
+            f"{pickled * EXPANSION / 2**30:.1f} GiB of memory; {free / 2**30:.1f} GiB are "
+            "available. Read it on a machine with more memory, record fewer events "
+            "(torch.cuda.memory._record_memory_history(max_entries=...)), or pass "
+            "check_memory=False to try anyway."
+        )
