@@ -37,6 +37,7 @@ from memlab.estimate.redirect import (
     redirected,
 )
 from memlab.estimate.result import Estimate
+from memlab.estimate.spread import summarise
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
@@ -46,9 +47,7 @@ from memlab.step.model import config_of
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 #: What an estimate cannot see, said in every estimate's notes.
-NOT_MODELLED = (
-    "not modelled: cuDNN workspaces, reductions' staging buffers, other CUDA-only buffers"
-)
+NOT_MODELLED = "not modelled: reductions' staging buffers, other CUDA-only buffers"
 
 
 def estimate(
@@ -220,6 +219,9 @@ def _prediction(
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
     timeline = _predicted_timeline(tensors, replay, start, end)
+    side = replay.side_trace
+    window = side[max(start - 1, 0) : end] if side else []
+    peaks = tuple(max(w[i] for w in window) for i in range(4)) if window else None
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
         source=Source.ESTIMATE,
@@ -243,6 +245,9 @@ def _prediction(
         oom=replay.failed is not None,
         fsdp_units=fsdp_units,
         workspaces=workspaces,
+        low=None if peaks is None or not replay.spreads else (peaks[0], peaks[1]),
+        high=None if peaks is None or not replay.spreads else (peaks[2], peaks[3]),
+        causes=summarise(replay.spreads),
     )
 
 
