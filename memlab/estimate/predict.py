@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator
@@ -27,6 +29,8 @@ from memlab.estimate.kernels import (
     HostRandomState,
     cuda_functions,
 )
+from memlab.estimate.kernels.reduce import sms_of
+from memlab.estimate.kernels.rnn import flatten
 from memlab.estimate.listener import AllocatorListener
 from memlab.estimate.redirect import (
     META,
@@ -96,6 +100,8 @@ def estimate(
 
     def model_on_meta() -> Any:
         model = build_on_meta(model_fn)
+        if cuda_kernels and isinstance(model, torch.nn.Module):
+            flatten(model)  # cuDNN's flat weights, as .to("cuda") makes them
         if not units and hasattr(model, "named_modules"):
             named = dict(model.named_modules())
             units.extend(_parameter_bytes(named[path]) for path in blocks(model))
@@ -118,7 +124,8 @@ def estimate(
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
     try:
-        with _cuda_like(cuda_kernels, workspaces.take), ordinary_inputs(assumed):
+        sms = sms_of(card.name if card else None)
+        with _cuda_like(cuda_kernels, workspaces.take, sms), ordinary_inputs(assumed):
             result = run(
                 model_on_meta,
                 input_on_meta,
@@ -164,14 +171,14 @@ def _on_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _cuda_like(cuda_kernels: bool, take_workspace: Any) -> Any:
+def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
     """Accounting for the whole run, warm-up included, on meta; with ``cuda_kernels``,
     attention, dropout, the transformer layers' fast paths and the LSTM as CUDA runs them (the
     attention kernels' seed and offset on the CPU: the accounting's mode, entered after, sees
     them there), and the cuBLAS workspaces where a GPU takes them."""
     null = contextlib.nullcontext
     kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
-    copies = CudaAllocations() if cuda_kernels else null()
+    copies = CudaAllocations(sms) if cuda_kernels else null()
     handles = CublasHandles(take_workspace)
     with host, track(META), kernels, copies, handles, meta_device_module():
         yield

@@ -10,6 +10,8 @@ import torch
 
 from memlab.core import _torch
 from memlab.core._torch import OwnedMode
+from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
+from memlab.estimate.spread import uncertain_empty
 
 aten = torch.ops.aten
 #: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
@@ -48,9 +50,18 @@ class CudaAllocations(OwnedMode):
 
     - CUDA's layer norm (``native_layer_norm``) works on a contiguous copy of a strided input (a
       transposed view, or the sum of one), for the call's duration;
-    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output.
+    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output;
+    - CUDA's sum over many rows into few outputs (a bias gradient) stages partial sums in a
+      buffer for the call (`memlab.estimate.kernels.reduce`), after its output;
+    - cuDNN's convolutions take a workspace for the call, after their outputs, of a size its
+      algorithm sets (`conv_workspace`: a range).
 
-    Enter it after the accounting's mode, so that the accounting sees what it allocates."""
+    ``sms``: the card's multiprocessors, which set the staging buffer's size. Enter it after the
+    accounting's mode, so that the accounting sees what it allocates."""
+
+    def __init__(self, sms: int = DEFAULT_SMS) -> None:
+        super().__init__()
+        self.sms = sms
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -66,7 +77,41 @@ class CudaAllocations(OwnedMode):
         if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
             mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
             return torch.empty_like(first), mask
+        if func is aten.convolution.default:
+            out = func(*args, **(kwargs or {}))
+            _conv_workspaces(func, args, out)
+            return out
+        if func is aten.convolution_backward.default:
+            out = func(*args, **(kwargs or {}))
+            _conv_workspaces(func, args, out)
+            return out
+        if func in _SUMS:
+            out = func(*args, **(kwargs or {}))
+            buffer, semaphores = _staging(first, args[1] if len(args) > 1 else None, self.sms)
+            if buffer:
+                staged = torch.empty(buffer, dtype=torch.uint8, device=first.device)
+                flags = torch.empty(semaphores, dtype=torch.uint8, device=first.device)
+                del flags, staged  # the semaphores first, as the kernel frees them
+            return out
         return func(*args, **(kwargs or {}))
+
+
+_SUMS = frozenset((aten.sum.dim_IntList, aten.mean.dim))
+
+
+def _staging(t: torch.Tensor, dims: Any, sms: int) -> tuple[int, int]:
+    """The staging of a sum of ``t`` over ``dims``, where they are its leading dimensions of a
+    contiguous ``t`` (rows) and the rest its outputs; else (0, 0)."""
+    if not isinstance(dims, (list, tuple)) or not dims or not t.is_contiguous():
+        return 0, 0
+    k = len(dims)
+    if sorted(d % t.dim() for d in dims) != list(range(k)) or k >= t.dim():
+        return 0, 0
+    rows = 1
+    for n in t.shape[:k]:
+        rows *= n
+    outputs = t.numel() // max(rows, 1)
+    return staging(rows, outputs, sms)
 
 
 #: Ops whose outputs at these positions are the generator's seed and offset, on the CPU on a GPU
@@ -94,3 +139,44 @@ class HostRandomState(OwnedMode):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 moved[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         return tuple(moved)
+
+
+def conv_workspace(a: int, b: int, weight: int, of_weights: bool) -> tuple[int, int, int]:
+    """(predicted, smallest, largest) workspace of one cuDNN convolution call: ``a`` and ``b``
+    the bytes of the activations it reads and writes (forward: input and output; backward data:
+    the output's and the input's gradients; backward weights: the input and the output's
+    gradient), ``weight`` the weight's bytes.
+
+    Read from the ResNet-18 and ResNet-50 traces on an H100 (cuDNN 9, tests/data/validation):
+    the usual forward and backward-data workspace is both activations and the weight (+16 B),
+    the range a quarter either way; the backward-weights workspace is that sum and up to 40 %
+    more (1.2 times, predicted). Some calls pick an algorithm outside these ranges (from half to
+    one and a half times the usual size): docs/estimator.md, "Ranges"."""
+    base = a + b + weight + 16
+    if of_weights:
+        return base * 6 // 5, base, base * 7 // 5
+    return base, base * 3 // 4, base * 5 // 4
+
+
+def _conv_workspaces(func: Any, args: tuple[Any, ...], out: Any) -> None:
+    """The workspaces of a convolution (forward) or of its backward, allocated and freed."""
+    if func is aten.convolution.default:
+        x, w = args[0], args[1]
+        groups = args[8]
+        calls = [(x, out, False)]
+    else:
+        grad, x, w = args[0], args[1], args[2]
+        groups, mask = args[9], args[10]
+        calls = [(grad, out[0], False)] if mask[0] and out[0] is not None else []
+        calls += [(x, grad, True)] if mask[1] else []
+    if groups > 1 and groups == x.shape[1]:  # depthwise: kernels without a workspace
+        return
+    for a, b, of_weights in calls:
+        size = conv_workspace(_bytes(a), _bytes(b), _bytes(w), of_weights)
+        what = "backward weights" if of_weights else "forward" if len(calls) == 1 and \
+            func is aten.convolution.default else "backward data"
+        uncertain_empty(*size, f"aten.convolution: cuDNN workspace ({what})", x)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

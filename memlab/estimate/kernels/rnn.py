@@ -182,3 +182,23 @@ def _patched(mode: str) -> Any:
 def patches() -> list[tuple[Any, str, Any]]:
     """(``_torch.VF``, name, emulation) for each recurrent mode, for `_torch.patched`."""
     return [(_torch.VF, mode, _patched(mode)) for mode in MODES]
+
+
+def flatten(model: torch.nn.Module) -> None:
+    """What ``.to("cuda")`` does to each recurrent layer of ``model`` on a GPU: its weights
+    copied into one flat buffer (``flatten_parameters``), the separate ones freed."""
+    for module in model.modules():
+        if not isinstance(module, torch.nn.RNNBase) or module.proj_size:
+            continue
+        weights = [w for w in module._flat_weights if isinstance(w, torch.Tensor)]
+        if not weights or any(w.device.type != "meta" for w in weights):
+            continue
+        kinds = {w.dtype for w in weights}
+        if len(kinds) != 1:
+            continue
+        flat = torch.empty(sum(w.numel() for w in weights), dtype=kinds.pop(), device="meta")
+        at = 0
+        with torch.no_grad():
+            for w in weights:
+                w.data = flat[at : at + w.numel()].view(w.shape)
+                at += w.numel()
