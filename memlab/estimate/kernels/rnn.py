@@ -13,7 +13,7 @@ backward, and the gradients are cast back to each weight's type.
 The sizes (`cudnn_sizes`) were read from the allocator traces of LSTMs on an H100 with cuDNN 9
 (tests/data/validation/lstm-*, tests/data/trace-lstm-sgd): the reserve space is, per step and
 batch row, 5 hidden vectors per layer and direction (4 gates and the cell) and one more per
-layer below the top; the workspace is 16 MiB and 4 hidden vectors per step, row, layer and
+layer below the top, and 256 B; the workspace is 16 MiB and 4 hidden vectors per step, row, layer and
 direction, up to 9 % more (the traces: +1.3 % to +8.5 %), a range. GRU and plain RNN have no
 trace: their sizes follow the same rule with 3 and 1 gates, a wider range.
 """
@@ -54,11 +54,11 @@ def cudnn_sizes(
     floor = 16 * MiB + 4 * layers * dirs * vector if mode == "lstm" else 16 * MiB
     if mode != "lstm":
         floor += gates * layers * dirs * vector
-    reserve = ((gates + cell) * layers * dirs + (layers - 1) * dirs) * vector
+    reserve = ((gates + cell) * layers * dirs + (layers - 1) * dirs) * vector + 256
     if mode == "lstm":
         high = int(floor * (1 + LSTM_WORKSPACE_ABOVE))
         work = (floor + (floor + high) // 2) // 2  # nearer the floor, where two of three lay
-        return Sizes((work, floor, high), (reserve, reserve, reserve + reserve // 100 + 512))
+        return Sizes((work, floor, high), (reserve, reserve, reserve + reserve // 100))
     spread = (int(floor * (1 - UNTRACED)), int(floor * (1 + UNTRACED)))
     rspread = (int(reserve * (1 - UNTRACED)), int(reserve * (1 + UNTRACED)))
     return Sizes((floor, *spread), (reserve, *rspread))
