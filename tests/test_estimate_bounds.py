@@ -5,6 +5,7 @@ kernel's staging buffer), each against the allocator traces recorded on an H100
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def test_the_reduction_staging_buffer_is_in_the_recorded_stream(
     buffer, semaphores = staging(rows, outputs, H100)
     assert buffer > rows * outputs  # big enough to matter: more than the gradient itself
     allocs = [e["size"] for e in measured(DATA / "validation" / f"{trace}.json.gz")]
-    pairs = list(zip(allocs, allocs[1:], strict=False))
+    pairs = list(itertools.pairwise(allocs))
     assert (buffer, semaphores) in pairs
 
 
@@ -96,9 +97,7 @@ def test_a_reduction_with_few_rows_needs_no_staging() -> None:
 
 
 def real(model: str, case: str) -> dict[str, int]:
-    stats: dict[str, int] = read(DATA / "validation" / f"{case_file(model, case)}.json.gz")[
-        "stats"
-    ]
+    stats: dict[str, int] = read(DATA / "validation" / f"{case_file(model, case)}.json.gz")["stats"]
     return stats
 
 
@@ -149,9 +148,10 @@ def test_an_estimate_without_run_time_sizes_has_equal_bounds() -> None:
         "peak_allocated": (e.peak_allocated, e.peak_allocated),
         "peak_reserved": (e.peak_reserved, e.peak_reserved),
     }
-    assert "range of" not in e.text() and e.to_dict()["bounds"]["peak_allocated"] == [
-        e.peak_allocated
-    ] * 2
+    assert (
+        "range of" not in e.text()
+        and e.to_dict()["bounds"]["peak_allocated"] == [e.peak_allocated] * 2
+    )
 
 
 @pytest.mark.parametrize("kind", [nn.GRU, nn.RNN])

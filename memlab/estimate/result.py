@@ -56,11 +56,15 @@ class Estimate(Result):
         out = {}
         for i, (name, value) in enumerate(figures.items()):
             # reserved memory need not grow with the sizes: the extremes of the three runs
-            runs = [value] if self.low is None or self.high is None else [
-                value,
-                self.low[i],
-                self.high[i],
-            ]
+            runs = (
+                [value]
+                if self.low is None or self.high is None
+                else [
+                    value,
+                    self.low[i],
+                    self.high[i],
+                ]
+            )
             out[name] = (min(runs), max(runs))
         return out
 
@@ -70,9 +74,10 @@ class Estimate(Result):
         for name, (low, high) in self.bounds.items():
             if low != high:
                 value = self.peak_allocated if name == "peak_allocated" else self.peak_reserved
+                below, above = (fmt_bytes(b - value, signed=True) for b in (low, high))
                 lines.append(
                     f"range of {name.replace('_', ' ')}: {fmt_bytes(low)} to {fmt_bytes(high)} "
-                    f"({fmt_bytes(low - value, signed=True)}, {fmt_bytes(high - value, signed=True)})"
+                    f"({below}, {above})"
                 )
         if lines:
             lines += [f"uncertain: {c.describe()}" for c in self.causes]

@@ -173,8 +173,13 @@ def _conv_workspaces(func: Any, args: tuple[Any, ...], out: Any) -> None:
         return
     for a, b, of_weights in calls:
         size = conv_workspace(_bytes(a), _bytes(b), _bytes(w), of_weights)
-        what = "backward weights" if of_weights else "forward" if len(calls) == 1 and \
-            func is aten.convolution.default else "backward data"
+        what = (
+            "backward weights"
+            if of_weights
+            else "forward"
+            if len(calls) == 1 and func is aten.convolution.default
+            else "backward data"
+        )
         uncertain_empty(*size, f"aten.convolution: cuDNN workspace ({what})", x)
 
 

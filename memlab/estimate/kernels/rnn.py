@@ -13,9 +13,9 @@ backward, and the gradients are cast back to each weight's type.
 The sizes (`cudnn_sizes`) were read from the allocator traces of LSTMs on an H100 with cuDNN 9
 (tests/data/validation/lstm-*, tests/data/trace-lstm-sgd): the reserve space is, per step and
 batch row, 5 hidden vectors per layer and direction (4 gates and the cell) and one more per
-layer below the top, and 256 B; the workspace is 16 MiB and 4 hidden vectors per step, row, layer and
-direction, up to 9 % more (the traces: +1.3 % to +8.5 %), a range. GRU and plain RNN have no
-trace: their sizes follow the same rule with 3 and 1 gates, a wider range.
+layer below the top, and 256 B; the workspace is 16 MiB and 4 hidden vectors per step, row,
+layer and direction, up to 9 % more (the traces: +1.3 % to +8.5 %), a range. GRU and plain RNN
+have no trace: their sizes follow the same rule with 3 and 1 gates, a wider range (±15 %).
 """
 
 from __future__ import annotations
