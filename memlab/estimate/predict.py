@@ -15,8 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from memlab.core import _torch
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator
@@ -30,7 +29,7 @@ from memlab.estimate.kernels import (
     cuda_functions,
 )
 from memlab.estimate.kernels.reduce import sms_of
-from memlab.estimate.kernels.rnn import flatten
+from memlab.estimate.kernels.rnn import flatten_patch
 from memlab.estimate.listener import AllocatorListener
 from memlab.estimate.redirect import (
     META,
@@ -99,9 +98,9 @@ def estimate(
     units: list[int] = []
 
     def model_on_meta() -> Any:
-        model = build_on_meta(model_fn)
-        if cuda_kernels and isinstance(model, torch.nn.Module):
-            flatten(model)  # cuDNN's flat weights, as .to("cuda") makes them
+        # cuDNN's flat recurrent weights, made as .to("cuda") makes them
+        with _torch.patched([flatten_patch()] if cuda_kernels else []):
+            model = build_on_meta(model_fn)
         if not units and hasattr(model, "named_modules"):
             named = dict(model.named_modules())
             units.extend(_parameter_bytes(named[path]) for path in blocks(model))

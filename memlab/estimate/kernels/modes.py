@@ -54,7 +54,9 @@ class CudaAllocations(OwnedMode):
     - CUDA's sum over many rows into few outputs (a bias gradient) stages partial sums in a
       buffer for the call (`memlab.estimate.kernels.reduce`), after its output;
     - cuDNN's convolutions take a workspace for the call, after their outputs, of a size its
-      algorithm sets (`conv_workspace`: a range).
+      algorithm sets (`conv_workspace`: a range);
+    - CUDA's embedding backward over more than 3,072 indices sorts them and sums per segment,
+      with temporaries of its own (`embedding_backward`).
 
     ``sms``: the card's multiprocessors, which set the staging buffer's size. Enter it after the
     accounting's mode, so that the accounting sees what it allocates."""
@@ -77,6 +79,8 @@ class CudaAllocations(OwnedMode):
         if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
             mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
             return torch.empty_like(first), mask
+        if func is aten.embedding_dense_backward.default and not kwargs:
+            return embedding_backward(func, *args)
         if func is aten.convolution.default:
             out = func(*args, **(kwargs or {}))
             _conv_workspaces(func, args, out)
@@ -185,3 +189,49 @@ def _conv_workspaces(func: Any, args: tuple[Any, ...], out: Any) -> None:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+#: Indices up to which CUDA's embedding backward runs one kernel without sorting, and the rows
+#: each thread sums (EmbeddingBackwardKernel.cu: NROWS_PER_THREAD).
+EMBEDDING_DIRECT, ROWS_PER_THREAD = 3072, 10
+
+
+def embedding_backward(
+    func: Any, grad: Any, indices: Any, num_weights: int, padding: int, by_freq: bool
+) -> Any:
+    """``embedding_dense_backward`` as CUDA runs it (Embedding.cu, EmbeddingBackwardKernel.cu):
+    the gradient made contiguous; over 3,072 indices, the indices sorted (two copies, a range
+    and the sort's scratch), then segment offsets, partial-segment offsets and one float row per
+    partial segment, sized by their upper bounds (as the LSTM traces show: 4,505 rows of 2 KiB
+    for 4,096 indices). cub's scratch sizes are approximations (a few KiB, the small pool)."""
+    kept = [grad.contiguous()] if not grad.is_contiguous() else []
+    g = kept[0] if kept else grad
+    n, dim = indices.numel(), g.shape[-1]
+    if n <= EMBEDDING_DIRECT and not by_freq:
+        return func(g, indices, num_weights, padding, by_freq)
+
+    def longs(count: int) -> torch.Tensor:
+        return torch.empty(count, dtype=torch.long, device=g.device)
+
+    kept += [longs(n), longs(n)]  # sorted indices, their original places
+    scratch = [longs(n), longs(2 * n + 2240)]  # a range to sort, cub's scratch
+    del scratch
+    out = func(g, indices, num_weights, padding, by_freq)
+    kept += [longs(n), longs(1)]  # segment offsets, their count
+    scratch = [longs(n), longs(160)]
+    del scratch
+    segments = min(n, num_weights)
+    kept += [longs(segments), longs(segments)]  # partials per segment, their offsets
+    scratch_of(g)  # freed at once
+    partials = n // ROWS_PER_THREAD + segments
+    kept += [longs(1), longs(partials)]
+    rows = torch.empty((partials, dim), dtype=torch.float32, device=g.device)
+    del rows
+    while kept:
+        kept.pop()  # freed in the reverse order of their making
+    return out
+
+
+def scratch_of(like: torch.Tensor) -> torch.Tensor:
+    """cub's scratch for a scan (about 1 KiB)."""
+    return torch.empty(1280, dtype=torch.uint8, device=like.device)

@@ -184,21 +184,28 @@ def patches() -> list[tuple[Any, str, Any]]:
     return [(_torch.VF, mode, _patched(mode)) for mode in MODES]
 
 
-def flatten(model: torch.nn.Module) -> None:
-    """What ``.to("cuda")`` does to each recurrent layer of ``model`` on a GPU: its weights
-    copied into one flat buffer (``flatten_parameters``), the separate ones freed."""
-    for module in model.modules():
-        if not isinstance(module, torch.nn.RNNBase) or module.proj_size:
-            continue
-        weights = [w for w in module._flat_weights if isinstance(w, torch.Tensor)]
-        if not weights or any(w.device.type != "meta" for w in weights):
-            continue
-        kinds = {w.dtype for w in weights}
-        if len(kinds) != 1:
-            continue
-        flat = torch.empty(sum(w.numel() for w in weights), dtype=kinds.pop(), device="meta")
-        at = 0
-        with torch.no_grad():
-            for w in weights:
-                w.data = flat[at : at + w.numel()].view(w.shape)
-                at += w.numel()
+_ORIGINAL_FLATTEN = torch.nn.RNNBase.flatten_parameters
+
+
+def _flatten(module: torch.nn.RNNBase) -> None:
+    """``flatten_parameters`` as on a GPU, for a layer on ``meta``: its weights copied into one
+    flat buffer, the separate ones freed. ``.to("cuda")`` calls it as it moves each recurrent
+    layer, before the layers after it."""
+    weights = [w for w in module._flat_weights if isinstance(w, torch.Tensor)]
+    kinds = {w.dtype for w in weights}
+    on_meta = weights and all(w.device.type == "meta" for w in weights)
+    if not on_meta or module.proj_size or len(kinds) != 1:
+        _ORIGINAL_FLATTEN(module)
+        return
+    flat = torch.empty(sum(w.numel() for w in weights), dtype=kinds.pop(), device="meta")
+    at = 0
+    with torch.no_grad():
+        for w in weights:
+            w.data = flat[at : at + w.numel()].view(w.shape)
+            at += w.numel()
+
+
+def flatten_patch() -> tuple[Any, str, Any]:
+    """(``nn.RNNBase``, "flatten_parameters", `_flatten`), for `_torch.patched` while the
+    estimator gives the model its storage."""
+    return (torch.nn.RNNBase, "flatten_parameters", _flatten)
