@@ -10,8 +10,13 @@ import torch
 
 from memlab.core import _torch
 from memlab.core._torch import OwnedMode
+from memlab.estimate.kernels.buffers import (
+    EFFICIENT_BACKWARD,
+    conv_workspaces,
+    efficient_backward_buffers,
+    embedding_backward,
+)
 from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
-from memlab.estimate.spread import uncertain_empty
 
 aten = torch.ops.aten
 #: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
@@ -79,15 +84,23 @@ class CudaAllocations(OwnedMode):
         if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
             mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
             return torch.empty_like(first), mask
+        if func is EFFICIENT_BACKWARD:
+            # the kernel reads the output's gradient laid out (batch, rows, heads, dim)
+            laid = first.transpose(1, 2)
+            copy = laid if laid.is_contiguous() else laid.contiguous()
+            out = func(*args, **(kwargs or {}))
+            efficient_backward_buffers(args[1])
+            del copy
+            return out
         if func is aten.embedding_dense_backward.default and not kwargs:
             return embedding_backward(func, *args)
         if func is aten.convolution.default:
             out = func(*args, **(kwargs or {}))
-            _conv_workspaces(func, args, out)
+            conv_workspaces(func, args, out)
             return out
         if func is aten.convolution_backward.default:
             out = func(*args, **(kwargs or {}))
-            _conv_workspaces(func, args, out)
+            conv_workspaces(func, args, out)
             return out
         if func in _SUMS:
             out = func(*args, **(kwargs or {}))
@@ -143,95 +156,3 @@ class HostRandomState(OwnedMode):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 moved[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         return tuple(moved)
-
-
-def conv_workspace(a: int, b: int, weight: int, of_weights: bool) -> tuple[int, int, int]:
-    """(predicted, smallest, largest) workspace of one cuDNN convolution call: ``a`` and ``b``
-    the bytes of the activations it reads and writes (forward: input and output; backward data:
-    the output's and the input's gradients; backward weights: the input and the output's
-    gradient), ``weight`` the weight's bytes.
-
-    Read from the ResNet-18 and ResNet-50 traces on an H100 (cuDNN 9, tests/data/validation):
-    the usual forward and backward-data workspace is both activations and the weight (+16 B),
-    the range a quarter either way; the backward-weights workspace is that sum and up to 40 %
-    more (1.2 times, predicted). Some calls pick an algorithm outside these ranges (from half to
-    one and a half times the usual size): docs/estimator.md, "Ranges"."""
-    base = a + b + weight + 16
-    if of_weights:
-        return base * 6 // 5, base, base * 7 // 5
-    return base, base * 3 // 4, base * 5 // 4
-
-
-def _conv_workspaces(func: Any, args: tuple[Any, ...], out: Any) -> None:
-    """The workspaces of a convolution (forward) or of its backward, allocated and freed."""
-    if func is aten.convolution.default:
-        x, w = args[0], args[1]
-        groups = args[8]
-        calls = [(x, out, False)]
-    else:
-        grad, x, w = args[0], args[1], args[2]
-        groups, mask = args[9], args[10]
-        calls = [(grad, out[0], False)] if mask[0] and out[0] is not None else []
-        calls += [(x, grad, True)] if mask[1] else []
-    if groups > 1 and groups == x.shape[1]:  # depthwise: kernels without a workspace
-        return
-    for a, b, of_weights in calls:
-        size = conv_workspace(_bytes(a), _bytes(b), _bytes(w), of_weights)
-        what = (
-            "backward weights"
-            if of_weights
-            else "forward"
-            if len(calls) == 1 and func is aten.convolution.default
-            else "backward data"
-        )
-        uncertain_empty(*size, f"aten.convolution: cuDNN workspace ({what})", x)
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-#: Indices up to which CUDA's embedding backward runs one kernel without sorting, and the rows
-#: each thread sums (EmbeddingBackwardKernel.cu: NROWS_PER_THREAD).
-EMBEDDING_DIRECT, ROWS_PER_THREAD = 3072, 10
-
-
-def embedding_backward(
-    func: Any, grad: Any, indices: Any, num_weights: int, padding: int, by_freq: bool
-) -> Any:
-    """``embedding_dense_backward`` as CUDA runs it (Embedding.cu, EmbeddingBackwardKernel.cu):
-    the gradient made contiguous; over 3,072 indices, the indices sorted (two copies, a range
-    and the sort's scratch), then segment offsets, partial-segment offsets and one float row per
-    partial segment, sized by their upper bounds (as the LSTM traces show: 4,505 rows of 2 KiB
-    for 4,096 indices). cub's scratch sizes are approximations (a few KiB, the small pool)."""
-    kept = [grad.contiguous()] if not grad.is_contiguous() else []
-    g = kept[0] if kept else grad
-    n, dim = indices.numel(), g.shape[-1]
-    if n <= EMBEDDING_DIRECT and not by_freq:
-        return func(g, indices, num_weights, padding, by_freq)
-
-    def longs(count: int) -> torch.Tensor:
-        return torch.empty(count, dtype=torch.long, device=g.device)
-
-    kept += [longs(n), longs(n)]  # sorted indices, their original places
-    scratch = [longs(n), longs(2 * n + 2240)]  # a range to sort, cub's scratch
-    del scratch
-    out = func(g, indices, num_weights, padding, by_freq)
-    kept += [longs(n), longs(1)]  # segment offsets, their count
-    scratch = [longs(n), longs(160)]
-    del scratch
-    segments = min(n, num_weights)
-    kept += [longs(segments), longs(segments)]  # partials per segment, their offsets
-    scratch_of(g)  # freed at once
-    partials = n // ROWS_PER_THREAD + segments
-    kept += [longs(1), longs(partials)]
-    rows = torch.empty((partials, dim), dtype=torch.float32, device=g.device)
-    del rows
-    while kept:
-        kept.pop()  # freed in the reverse order of their making
-    return out
-
-
-def scratch_of(like: torch.Tensor) -> torch.Tensor:
-    """cub's scratch for a scan (about 1 KiB)."""
-    return torch.empty(1280, dtype=torch.uint8, device=like.device)
