@@ -16,7 +16,7 @@ from torch import nn
 from memlab.estimate import estimate
 from memlab.estimate.kernels.reduce import sms_of, staging
 from memlab.estimate.kernels.rnn import cudnn_sizes
-from memlab.estimate.trace import events_of, read
+from memlab.estimate.trace import diff, events_of, read
 from memlab.examples.cases import MODELS, RUNS, case_file, config
 
 DATA = Path(__file__).parent / "data"
@@ -168,3 +168,34 @@ def test_gru_and_rnn_run_as_one_cudnn_call_with_a_range(kind: type[nn.RNNBase]) 
     assert f"aten._cudnn_rnn: cuDNN {kind.__name__} reserve space" in causes
     low, high = e.bounds["peak_allocated"]
     assert low < e.peak_allocated < high
+
+
+def streams(model: str, case: str) -> Any:
+    """The estimate's measured step beside the recorded one (`memlab.estimate.trace.diff`)."""
+    model_fn, input_fn, _, _ = MODELS[model]
+    e = estimate(model_fn, input_fn, None, config(model, case), gpu="H100 80GB", trace=True)
+    assert e.trace is not None
+    mine = events_of(e.trace)[slice(*e.trace["measured"])]
+    recorded = read(DATA / "validation" / f"{case_file(model, case)}.json.gz")
+    stats = recorded["stats"]
+    return e, diff(mine, events_of(recorded)[stats["measured_from"] : stats["measured_to"]])
+
+
+@pytest.mark.slow
+def test_the_attention_backward_and_staging_buffers_make_the_recorded_stream() -> None:
+    # an encoder of 4 layers under checkpointing: the memory-efficient attention's backward
+    # (the gradient's copy, delta, workspace), the bias gradients' staging buffers, the
+    # embedding backward's temporaries: the same allocations, in the same order, as recorded
+    _, found = streams("encoder (bert-base width)", "checkpoint adam")
+    assert found.same, found.text()
+
+
+@pytest.mark.slow
+def test_cudnns_lstm_training_step_makes_the_recorded_stream_but_the_workspace() -> None:
+    e, found = streams("lstm", "fp32 adam")
+    (workspace,) = [c for c in e.causes if "workspace" in c.cause]
+    differing = {size for size, _, _ in found.counts if size >= 4096}
+    # only the workspaces differ (and a few bytes of the loss's), the recorded one in range
+    recorded = {size for size, mine, real in found.counts if real > mine and size >= 4096}
+    assert len(differing) == 2 and workspace.size in differing, found.text()
+    assert all(workspace.low <= size <= workspace.high for size in recorded), found.text()
