@@ -23,6 +23,7 @@ from memlab.core.warn import MemlabDeprecationWarning
 from memlab.estimate import Estimate, StrategyTable, compare, strategies
 from memlab.estimate.gpus import GPUS
 from memlab.estimate.oom import explain
+from memlab.estimate.spread import Cause
 from memlab.estimate.trace import ReplayResult, StreamDiff, replay, synthetic
 from memlab.estimate.trace import diff as compare_streams
 from memlab.graphs.model import Node, Saved
@@ -101,6 +102,9 @@ def an_estimate(label: str | None = None) -> Estimate:
         predicted,
         fsdp_units=(MiB // 4,) * 4,
         workspaces=(("forward", 8 * MiB),),
+        low=(11 * MiB, 20 * MiB),
+        high=(13 * MiB, 22 * MiB),
+        causes=(Cause("aten.convolution: cuDNN workspace (forward)", 2, MiB, MiB // 2, 3 * MiB),),
     )
 
 

@@ -1,13 +1,17 @@
 """The bridge from tensor accounting to the allocator model: a ledger listener that replays
-one device's allocations and frees, in order, through `CachingAllocator`."""
+one device's allocations and frees, in order, through `CachingAllocator`; and, from the first
+allocation whose size is chosen at run time (`memlab.estimate.spread`), through two more, with
+each such allocation at its smallest and at its largest size."""
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
 from memlab.core.categories import Category
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from memlab.estimate.spread import Spread, claim
 
 
 class AllocatorListener:
@@ -34,6 +38,14 @@ class AllocatorListener:
         self._when: float | None = None
         self.ended = 0.0
         self.sizes: dict[int, int] = {}
+        #: The allocations of a size chosen at run time, in order (`memlab.estimate.spread`).
+        self.spreads: list[Spread] = []
+        #: From the first of those: the stream replayed with each at its smallest, then its
+        #: largest size; their handles; and their (allocated, reserved) beside ``trace``.
+        self.sides: list[CachingAllocator] = []
+        self.side_handles: list[dict[int, int]] = []
+        self.side_failed = False
+        self.side_trace: list[tuple[int, int, int, int]] = []
 
     def measuring(self, moment: str) -> None:
         """The step's ``on_measure``: where the measured step starts ("start") and ends."""
@@ -48,6 +60,11 @@ class AllocatorListener:
     def _note(self) -> None:
         s = self.allocator.stats
         self.trace.append((s.allocated, s.reserved))
+        if self.sides:
+            low, high = (side.stats for side in self.sides)
+            self.side_trace.append((low.allocated, low.reserved, high.allocated, high.reserved))
+        else:
+            self.side_trace.append((s.allocated, s.reserved, s.allocated, s.reserved))
         # stamped as the tensor accounting stamps its timeline: an allocation when its op
         # started, a free when it happens, never before the previous event
         self.stamps.append(
@@ -55,9 +72,21 @@ class AllocatorListener:
         )
         self._when = None
 
-    def malloc(self, key: int, nbytes: int) -> None:
+    def malloc(self, key: int, nbytes: int, spread: Spread | None = None) -> None:
         if self.failed is not None:
             return
+        if spread is not None:
+            self.spreads.append(spread)
+            if not self.sides:  # from here on the three streams may part
+                self.sides = [copy.deepcopy(self.allocator) for _ in range(2)]
+                self.side_handles = [dict(self.handles), dict(self.handles)]
+        sizes = (nbytes, nbytes) if spread is None else (spread.low, spread.high)
+        for side, handles, size in zip(self.sides, self.side_handles, sizes, strict=False):
+            if not self.side_failed:
+                try:
+                    handles[key] = side.malloc(size)
+                except SimulatedOutOfMemoryError:
+                    self.side_failed = True  # the range then says no more than the prediction
         try:
             self.handles[key] = self.allocator.malloc(nbytes)
         except SimulatedOutOfMemoryError as e:
@@ -79,10 +108,11 @@ class AllocatorListener:
         if old is not None:  # a storage that grew: the allocator sees a new block
             size = self.allocator.block_size(old)
             self.allocator.free(old)
+            self._side_free(serial)
             self._freed(serial)
             self.malloc(serial, size + delta)
         elif delta > 0:
-            self.malloc(serial, delta)
+            self.malloc(serial, delta, claim(delta))
         self._when = None
 
     def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
@@ -90,8 +120,15 @@ class AllocatorListener:
         if handle is not None:
             self._when = when
             self.allocator.free(handle)
+            self._side_free(serial)
             self._freed(serial)
             self._note()
+
+    def _side_free(self, key: int) -> None:
+        for side, handles in zip(self.sides, self.side_handles, strict=True):
+            handle = handles.pop(key, None)
+            if handle is not None:
+                side.free(handle)
 
     def on_discovered(self, serial: int, nbytes: int) -> None:
         pass  # storages from before the estimate are not on the simulated GPU

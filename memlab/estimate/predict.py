@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from memlab.core import _torch
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.ledger import default_ledger
 from memlab.estimate.allocator import CachingAllocator
@@ -27,6 +28,8 @@ from memlab.estimate.kernels import (
     HostRandomState,
     cuda_functions,
 )
+from memlab.estimate.kernels.reduce import sms_of
+from memlab.estimate.kernels.rnn import flatten_patch
 from memlab.estimate.listener import AllocatorListener
 from memlab.estimate.redirect import (
     META,
@@ -37,6 +40,7 @@ from memlab.estimate.redirect import (
     redirected,
 )
 from memlab.estimate.result import Estimate
+from memlab.estimate.spread import summarise
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
@@ -46,9 +50,7 @@ from memlab.step.model import config_of
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 #: What an estimate cannot see, said in every estimate's notes.
-NOT_MODELLED = (
-    "not modelled: cuDNN workspaces, reductions' staging buffers, other CUDA-only buffers"
-)
+NOT_MODELLED = "not modelled: reductions' staging buffers, other CUDA-only buffers"
 
 
 def estimate(
@@ -96,7 +98,9 @@ def estimate(
     units: list[int] = []
 
     def model_on_meta() -> Any:
-        model = build_on_meta(model_fn)
+        # cuDNN's flat recurrent weights, made as .to("cuda") makes them
+        with _torch.patched([flatten_patch()] if cuda_kernels else []):
+            model = build_on_meta(model_fn)
         checks.refresh()  # libraries model_fn imported
         if not units and hasattr(model, "named_modules"):
             named = dict(model.named_modules())
@@ -120,7 +124,8 @@ def estimate(
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
     try:
-        with _cuda_like(cuda_kernels, workspaces.take), OrdinaryInputs(assumed) as checks:
+        sms = sms_of(card.name if card else None)
+        with _cuda_like(cuda_kernels, workspaces.take, sms), OrdinaryInputs(assumed) as checks:
             result = run(
                 model_on_meta,
                 input_on_meta,
@@ -166,14 +171,14 @@ def _on_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _cuda_like(cuda_kernels: bool, take_workspace: Any) -> Any:
+def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
     """Accounting for the whole run, warm-up included, on meta; with ``cuda_kernels``,
     attention, dropout, the transformer layers' fast paths and the LSTM as CUDA runs them (the
     attention kernels' seed and offset on the CPU: the accounting's mode, entered after, sees
     them there), and the cuBLAS workspaces where a GPU takes them."""
     null = contextlib.nullcontext
     kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
-    copies = CudaAllocations() if cuda_kernels else null()
+    copies = CudaAllocations(sms) if cuda_kernels else null()
     handles = CublasHandles(take_workspace)
     with host, track(META), kernels, copies, handles, meta_device_module():
         yield
@@ -221,6 +226,9 @@ def _prediction(
     if replay.failed is not None:
         notes.insert(0, f"out of memory on the simulated GPU: {replay.failed}")
     timeline = _predicted_timeline(tensors, replay, start, end)
+    side = replay.side_trace
+    window = side[max(start - 1, 0) : end] if side else []
+    peaks = tuple(max(w[i] for w in window) for i in range(4)) if window else None
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
         source=Source.ESTIMATE,
@@ -244,6 +252,9 @@ def _prediction(
         oom=replay.failed is not None,
         fsdp_units=fsdp_units,
         workspaces=workspaces,
+        low=None if peaks is None or not replay.spreads else (peaks[0], peaks[1]),
+        high=None if peaks is None or not replay.spreads else (peaks[2], peaks[3]),
+        causes=summarise(replay.spreads),
     )
 
 

@@ -8,9 +8,11 @@ from typing import Any
 
 from memlab.core.warn import moved
 from memlab.estimate.gpus import GPU
-from memlab.reports.frame import heading
+from memlab.estimate.spread import Cause
+from memlab.reports.frame import heading, note
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
+from memlab.reports.units import fmt_bytes
 from memlab.step.config import RunConfig
 
 
@@ -39,6 +41,48 @@ class Estimate(Result):
     #: [first, end]}``, the measured step's events being ``events[first:end]``. Compare it with a
     #: real one with `memlab.estimate.trace.compare`.
     trace: dict[str, Any] | None = None
+    #: The peaks (allocated, reserved) with every allocation of a size chosen at run time (see
+    #: `causes`) at its smallest, and at its largest; None where there was none.
+    low: tuple[int, int] | None = None
+    high: tuple[int, int] | None = None
+    #: What makes the figures uncertain: each op that allocated a size chosen at run time.
+    causes: tuple[Cause, ...] = ()
+
+    @property
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        """``{"peak_allocated": (low, high), "peak_reserved": (low, high)}`` in bytes: the range
+        that contains each figure whatever size the ops in `causes` choose on the card; equal
+        bounds where the prediction is exact."""
+        figures = {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved}
+        out = {}
+        for i, (name, value) in enumerate(figures.items()):
+            # reserved memory need not grow with the sizes: the extremes of the three runs
+            runs = (
+                [value]
+                if self.low is None or self.high is None
+                else [
+                    value,
+                    self.low[i],
+                    self.high[i],
+                ]
+            )
+            out[name] = (min(runs), max(runs))
+        return out
+
+    def range_lines(self) -> list[str]:
+        """The range of each uncertain figure and its causes, as the displays show them."""
+        lines = []
+        for name, (low, high) in self.bounds.items():
+            if low != high:
+                value = self.peak_allocated if name == "peak_allocated" else self.peak_reserved
+                below, above = (fmt_bytes(b - value, signed=True) for b in (low, high))
+                lines.append(
+                    f"range of {name.replace('_', ' ')}: {fmt_bytes(low)} to {fmt_bytes(high)} "
+                    f"({below}, {above})"
+                )
+        if lines:
+            lines += [f"uncertain: {c.describe()}" for c in self.causes]
+        return lines
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -86,6 +130,8 @@ class Estimate(Result):
             "fits": None if self.gpu is None else self.fits(),
             "workspaces": [[name, size] for name, size in self.workspaces],
             "fsdp_units": list(self.fsdp_units),
+            "bounds": {name: list(pair) for name, pair in self.bounds.items()},
+            "causes": [c.to_dict() for c in self.causes],
             "report": self.report.to_dict(),
             "notes": list(self.notes),
         }
@@ -99,14 +145,16 @@ class Estimate(Result):
         return f"predicted for {where}{verdict}"
 
     def text(self) -> str:
-        return f"{self.headline()}\n{self.report.text()}"
+        ranges = "".join(f"\n  {line}" for line in self.range_lines())
+        return f"{self.headline()}{ranges}\n{self.report.text()}"
 
     def __repr__(self) -> str:
         return self.text()
 
     def html(self) -> str:
         # the verdict first: the report itself has no room for it
-        return f"{heading(self.headline())}\n{self.report.html()}"
+        ranges = "".join(f"\n{note(line)}" for line in self.range_lines())
+        return f"{heading(self.headline())}{ranges}\n{self.report.html()}"
 
     def plot(self, ax: Any = None) -> Any:
         """The predicted timeline (the allocator model's allocated bytes through the step)."""

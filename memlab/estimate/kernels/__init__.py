@@ -1,7 +1,7 @@
 """CUDA kernels whose memory differs from what the same call does on ``meta``, emulated so that
 a meta run allocates what a GPU would: attention (`attention`), cuBLAS workspaces, layer norm
 and dropout (`modes`), dropout's fused kernel (`dropout`), the transformer layers' fast paths
-(`fastpath`) and cuDNN's LSTM out of training (`rnn`). Why each differs: docs/estimator.md."""
+(`fastpath`) and cuDNN's recurrent layers (`rnn`). Why each differs: docs/estimator.md."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from memlab.estimate.kernels.modes import (
     CudaAllocations,
     HostRandomState,
 )
-from memlab.estimate.kernels.rnn import _lstm
+from memlab.estimate.kernels.rnn import patches as rnn_patches
 
 __all__ = [
     "CUBLAS",
@@ -48,16 +48,17 @@ __all__ = [
 def cuda_functions() -> Iterator[None]:
     """Within the block, on ``meta``: attention through the kernel CUDA would pick (also as
     ``nn.MultiheadAttention`` and ``nn.Transformer*`` call it), dropout through the fused kernel,
-    the transformer layers' fast paths as a GPU takes them, and an LSTM out of training as
-    cuDNN's one call."""
+    the transformer layers' fast paths as a GPU takes them, and LSTM, GRU and RNN layers as
+    cuDNN's one call, with its workspace and reserve space."""
     patches: list[tuple[Any, str, Any]] = [
         (F, "scaled_dot_product_attention", attention),
         (F, "dropout", dropout),
         *_torch.fused_op_patches(
             on_meta(_mha_fast, _torch.native_multi_head_attention),
             on_meta(_encoder_layer_fast, _torch.transformer_encoder_layer_fwd),
-            _lstm,
+            dict((name, fn) for _, name, fn in rnn_patches())["lstm"],
         ),
+        *(p for p in rnn_patches() if p[1] != "lstm"),
         (nn.MultiheadAttention, "forward", fast_path_forward(nn.MultiheadAttention.forward)),
         (
             nn.TransformerEncoderLayer,

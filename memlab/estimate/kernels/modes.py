@@ -10,6 +10,13 @@ import torch
 
 from memlab.core import _torch
 from memlab.core._torch import OwnedMode
+from memlab.estimate.kernels.buffers import (
+    EFFICIENT_BACKWARD,
+    conv_workspaces,
+    efficient_backward_buffers,
+    embedding_backward,
+)
+from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
 
 aten = torch.ops.aten
 #: Ops that call cuBLAS on a GPU (``_addmm_activation``: addmm with a fused GELU or ReLU).
@@ -48,9 +55,20 @@ class CudaAllocations(OwnedMode):
 
     - CUDA's layer norm (``native_layer_norm``) works on a contiguous copy of a strided input (a
       transposed view, or the sum of one), for the call's duration;
-    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output.
+    - CUDA's fused dropout (``native_dropout``) allocates its mask before its output;
+    - CUDA's sum over many rows into few outputs (a bias gradient) stages partial sums in a
+      buffer for the call (`memlab.estimate.kernels.reduce`), after its output;
+    - cuDNN's convolutions take a workspace for the call, after their outputs, of a size its
+      algorithm sets (`conv_workspace`: a range);
+    - CUDA's embedding backward over more than 3,072 indices sorts them and sums per segment,
+      with temporaries of its own (`embedding_backward`).
 
-    Enter it after the accounting's mode, so that the accounting sees what it allocates."""
+    ``sms``: the card's multiprocessors, which set the staging buffer's size. Enter it after the
+    accounting's mode, so that the accounting sees what it allocates."""
+
+    def __init__(self, sms: int = DEFAULT_SMS) -> None:
+        super().__init__()
+        self.sms = sms
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -66,7 +84,51 @@ class CudaAllocations(OwnedMode):
         if func is aten.native_dropout.default and args[2]:  # train=True (meta: no values)
             mask = torch.empty(first.shape, dtype=torch.bool, device=first.device)
             return torch.empty_like(first), mask
+        if func is EFFICIENT_BACKWARD:
+            # the kernel reads the output's gradient laid out (batch, rows, heads, dim)
+            laid = first.transpose(1, 2)
+            copy = laid if laid.is_contiguous() else laid.contiguous()
+            out = func(*args, **(kwargs or {}))
+            efficient_backward_buffers(args[1])
+            del copy
+            return out
+        if func is aten.embedding_dense_backward.default and not kwargs:
+            return embedding_backward(func, *args)
+        if func is aten.convolution.default:
+            out = func(*args, **(kwargs or {}))
+            conv_workspaces(func, args, out)
+            return out
+        if func is aten.convolution_backward.default:
+            out = func(*args, **(kwargs or {}))
+            conv_workspaces(func, args, out)
+            return out
+        if func in _SUMS:
+            out = func(*args, **(kwargs or {}))
+            buffer, semaphores = _staging(first, args[1] if len(args) > 1 else None, self.sms)
+            if buffer:
+                staged = torch.empty(buffer, dtype=torch.uint8, device=first.device)
+                flags = torch.empty(semaphores, dtype=torch.uint8, device=first.device)
+                del flags, staged  # the semaphores first, as the kernel frees them
+            return out
         return func(*args, **(kwargs or {}))
+
+
+_SUMS = frozenset((aten.sum.dim_IntList, aten.mean.dim))
+
+
+def _staging(t: torch.Tensor, dims: Any, sms: int) -> tuple[int, int]:
+    """The staging of a sum of ``t`` over ``dims``, where they are its leading dimensions of a
+    contiguous ``t`` (rows) and the rest its outputs; else (0, 0)."""
+    if not isinstance(dims, (list, tuple)) or not dims or not t.is_contiguous():
+        return 0, 0
+    k = len(dims)
+    if sorted(d % t.dim() for d in dims) != list(range(k)) or k >= t.dim():
+        return 0, 0
+    rows = 1
+    for n in t.shape[:k]:
+        rows *= n
+    outputs = t.numel() // max(rows, 1)
+    return staging(rows, outputs, sms)
 
 
 #: Ops whose outputs at these positions are the generator's seed and offset, on the CPU on a GPU
