@@ -16,6 +16,7 @@ class Category(str, Enum):
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
     GRADIENT = "gradient"
+    COMMUNICATION = "communication"
     INPUT = "input"
     ACTIVATION = "activation"
     TEMPORARY = "temporary"
@@ -33,7 +34,13 @@ PRIORITY: dict[Category, int] = {c: i for i, c in enumerate(Category)}
 #: Roles a storage keeps from one region to the next. Being saved for backward (activation) or
 #: being a region's input is a role within one region only.
 STICKY = frozenset(
-    {Category.PARAMETER, Category.BUFFER, Category.OPTIMIZER_STATE, Category.GRADIENT}
+    {
+        Category.PARAMETER,
+        Category.BUFFER,
+        Category.OPTIMIZER_STATE,
+        Category.GRADIENT,
+        Category.COMMUNICATION,
+    }
 )
 
 DESCRIPTIONS: dict[Category, str] = {
@@ -41,6 +48,9 @@ DESCRIPTIONS: dict[Category, str] = {
     Category.BUFFER: "module buffers (e.g. BatchNorm running statistics)",
     Category.OPTIMIZER_STATE: "tensors in optimizer.state (momentum, Adam moments, step)",
     Category.GRADIENT: "the .grad of parameters and other leaf tensors",
+    Category.COMMUNICATION: "buffers a collective (all-gather, reduce-scatter, all-reduce) "
+    "read or wrote that hold no parameter or gradient: DDP's gradient buckets, FSDP's gathered "
+    "and reduce-scattered flat buffers",
     Category.INPUT: "tensors passed to track(inputs=...)",
     Category.ACTIVATION: "tensors saved for backward by autograd",
     Category.TEMPORARY: "created in the region and freed before it ended",

@@ -23,6 +23,7 @@ CATEGORY_COLOURS = {
     Category.BUFFER: "#5b9bd5",
     Category.OPTIMIZER_STATE: "#7030a0",
     Category.GRADIENT: "#c55a11",
+    Category.COMMUNICATION: "#2e8b8b",
     Category.INPUT: "#70ad47",
     Category.ACTIVATION: "#e8a33d",
     Category.TEMPORARY: "#bfbfbf",
