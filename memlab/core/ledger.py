@@ -180,7 +180,7 @@ class Ledger:
             for entry in list(self._entries.values()):
                 storage = entry.ref()
                 if storage is not None:
-                    self._grew(entry, storage.nbytes(), now)  # type: ignore[attr-defined]
+                    self._grew(entry, storage.nbytes(), now)
 
     def _grew(self, entry: Entry, nbytes: int, when: float) -> None:
         delta = nbytes - entry.nbytes
