@@ -150,5 +150,5 @@ def test_bad_arguments_name_what_to_pass() -> None:
         with memlab.track("cpu") as t:
             pass
         gather(t)
-    with pytest.raises(TypeError, match="takes a memlab.track object"):
+    with pytest.raises(TypeError, match=r"takes a memlab\.track object"):
         gather("report")  # type: ignore[arg-type]
