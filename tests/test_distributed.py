@@ -12,18 +12,22 @@ import torch
 
 import memlab
 from memlab.core.categories import Category
-from memlab.distributed import RankDataError, RankRow, RankTable, gather, launch
+from memlab.distributed import RankDataError, RankRow, RankTable, check, gather, launch
+from memlab.estimate import Estimate, estimate, model_states, per_rank
 
 WORLD = 2
-STATE = ("parameter", "gradient", "optimizer_state")
+KINDS = ("ddp", "zero1", "fsdp", "fsdp_no_reshard")
+#: An odd width: FSDP pads each shard (255 rows over 2 ranks: 128 and 127, padded to 128).
+WIDTH, DEPTH, BATCH = 255, 6, 16
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    # 33 outputs: an odd size, so FSDP pads the shards
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 33), torch.nn.ReLU()
-    )
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+
+
+def _input(batch: int) -> torch.Tensor:
+    return torch.randn(batch, WIDTH)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -40,34 +44,45 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _wrap(kind: str, model: torch.nn.Module) -> torch.nn.Module:
-    if kind == "ddp":
+def _wrap(kind: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its Adam (foreach, as the estimator assumes) under a strategy."""
+    if kind in ("ddp", "zero1"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model)
+        if kind == "zero1":  # optimizer-state sharding
+            return ddp, ZeroRedundancyOptimizer(
+                ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True
+            )
+        return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3, foreach=True)
     from torch.distributed.fsdp import fully_shard
 
+    reshard = kind == "fsdp"
     for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, reshard_after_forward=kind == "fsdp")
-    return fully_shard(model, reshard_after_forward=kind == "fsdp")
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
 
 
 def _run(kind: str, world_size: int) -> tuple[RankTable | None, list[list[int]]]:
-    """One measured step; the model, optimizer and tensors die on return (the next run's
-    "at end" counts every parameter alive on the device)."""
+    """A warm-up step, then one measured step (as the estimator's); the model, optimizer and
+    tensors die on return (the next run's "at end" counts every parameter alive)."""
     import torch.distributed as dist
 
     gc.collect()  # FSDP's modules and states hold each other in cycles: the last run's too
-    model = _wrap(kind, _model())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(16, 64)
+    model, opt = _wrap(kind, _model())
+    x = _input(BATCH)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     with memlab.track("cpu", breakdown=True, timeline=True, watch=[model, opt]) as t:
         model(x).sum().backward()
         opt.step()
     table = gather(t)
     params = list(model.parameters())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    local = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer
+    state = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     expected = torch.tensor(
         [
             _storage_bytes(params),
@@ -83,7 +98,7 @@ def _run(kind: str, world_size: int) -> tuple[RankTable | None, list[list[int]]]
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in ("ddp", "fsdp", "fsdp_no_reshard"):
+    for kind in KINDS:
         table, expected = _run(kind, world_size)
         if table is not None:
             out[kind] = {"table": table.to_dict(), "expected": expected}
@@ -97,7 +112,8 @@ def job() -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_no_reshard"])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
 def test_state_bytes_per_rank_equal_the_local_tensors(job: dict[str, Any], kind: str) -> None:
     table = RankTable.from_dict(job[kind]["table"])
     assert table.world_size == WORLD and table.backend == "gloo"
@@ -113,18 +129,42 @@ def test_state_bytes_per_rank_equal_the_local_tensors(job: dict[str, Any], kind:
 STATE_CATEGORIES = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
 
 
-def test_fsdp_holds_a_shard_and_ddp_everything(job: dict[str, Any]) -> None:
+@pytest.mark.slow
+def test_fsdp_holds_a_padded_shard_and_ddp_everything(job: dict[str, Any]) -> None:
     full = job["ddp"]["expected"][0][3]
+    assert full == DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+    half = -(-WIDTH // 2)  # FSDP shards dim 0 and pads every rank's rows to the first's
     ddp = RankTable.from_dict(job["ddp"]["table"])
     fsdp = RankTable.from_dict(job["fsdp"]["table"])
     for r in range(WORLD):
         assert ddp.rows[r].at_end[Category.PARAMETER] == full
-        # half of every padded parameter: within one row of each layer of the full size / 2
-        assert abs(fsdp.rows[r].at_end[Category.PARAMETER] - full // 2) < 4 * 128 * 4
+        assert fsdp.rows[r].at_end[Category.PARAMETER] == DEPTH * (half * WIDTH + half) * 4
         # DDP's gradient buckets: a flat copy of every gradient, marked as communication
         assert ddp.rows[r].at_end[Category.COMMUNICATION] == full
+    # without resharding after forward, every unit is gathered at the end of the forward
+    keep = RankTable.from_dict(job["fsdp_no_reshard"]["table"])
+    assert all(row.peak_phase == "forward" for row in keep.rows)
+    assert all(row.at_peak[Category.PARAMETER] >= full for row in keep.rows)
 
 
+@pytest.fixture(scope="module")
+def predicted() -> Estimate:
+    return estimate(_model, _input, batch_size=BATCH, gpu=None, cuda_kernels=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_estimator_predicts_each_ranks_peak_within_3_percent(
+    job: dict[str, Any], predicted: Estimate, kind: str
+) -> None:
+    strategy = "fsdp" if kind.startswith("fsdp") else kind
+    rank = per_rank(predicted, WORLD, strategy, reshard_after_forward=kind == "fsdp")
+    result = check(RankTable.from_dict(job[kind]["table"]), rank, kind)
+    assert result.worst <= 0.03, str(result)
+    assert result.to_dict()["measured"] == [r.peak for r in result.measured.rows]
+
+
+@pytest.mark.slow
 def test_the_table_renders_and_keeps_the_protocol(job: dict[str, Any]) -> None:
     table = RankTable.from_dict(job["fsdp"]["table"])
     assert json.loads(json.dumps(table.to_dict())) == table.to_dict()
@@ -152,3 +192,14 @@ def test_bad_arguments_name_what_to_pass() -> None:
         gather(t)
     with pytest.raises(TypeError, match=r"takes a memlab\.track object"):
         gather("report")  # type: ignore[arg-type]
+
+
+def test_the_zero_papers_table_is_reproduced() -> None:
+    # ZeRO (Rajbhandari et al., 2020), Figure 1: 7.5B parameters, 64 ranks, mixed-precision
+    # Adam (K = 12): 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per rank
+    table = model_states(7_500_000_000, 64)
+    assert [r.strategy for r in table.rows] == ["ddp", "zero1", "zero2", "zero3"]
+    assert [round(r.total / 1e9, 1) for r in table.rows] == [120.0, 31.4, 16.6, 1.9]
+    assert table.rows[1].by_category[Category.OPTIMIZER_STATE] == 12 * 7_500_000_000 // 64
+    with pytest.raises(ValueError, match="world_size must be a whole number"):
+        model_states(10, 0)

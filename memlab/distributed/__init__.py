@@ -11,10 +11,13 @@ under ``torchrun``::
         return memlab.distributed.gather(t)
 
     table = memlab.distributed.launch(step, world_size=2)   # rank 0's RankTable
+
+`check` sets the estimator's per-rank prediction (`memlab.estimate.per_rank`) beside it.
 """
 
+from memlab.distributed.check import Check, check
 from memlab.distributed.gather import gather
 from memlab.distributed.launch import launch
 from memlab.distributed.table import RankDataError, RankRow, RankTable
 
-__all__ = ["RankDataError", "RankRow", "RankTable", "gather", "launch"]
+__all__ = ["Check", "RankDataError", "RankRow", "RankTable", "check", "gather", "launch"]

@@ -1,6 +1,13 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
-from memlab.estimate.distributed import RankMemory, StrategyTable, compare, per_rank, strategies
+from memlab.estimate.distributed import (
+    RankMemory,
+    StrategyTable,
+    compare,
+    model_states,
+    per_rank,
+    strategies,
+)
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.predict import estimate
 from memlab.estimate.result import Estimate
@@ -13,6 +20,7 @@ __all__ = [
     "StrategyTable",
     "compare",
     "estimate",
+    "model_states",
     "per_rank",
     "strategies",
 ]
