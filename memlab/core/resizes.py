@@ -8,9 +8,12 @@ for all the open regions (under the one lock of every torch patch memlab makes) 
 the last one closes; a listener's failure never fails the user's resize.
 
 Why a wrapper rather than re-reading every live storage's size at each settle point: settling
-happens at every op, so re-reading would cost a pass over all live storages per op (a few
-thousand storages: ~0.3 ms an op, measured on this project's CPU box); the wrapper costs nothing
-per op and stamps each resize when it happens, so the peak and its phase are right.
+happens at every op, and re-reading costs about 0.4 µs a live storage (measured on this
+project's 2-core CPU box, torch 2.13: 2.0 ms for 5,000 storages), which at every op would dwarf
+the accounting's ~30 µs; the wrapper adds about 5.6 µs to each ``resize_`` (0.7 µs bare), which
+FSDP calls twice a parameter a step, and it stamps each resize when it happens, so the peak and
+its phase are right. The re-reading is done once, when a region opens (`Ledger.resync`), for
+the resizes made while no region was open.
 """
 
 from __future__ import annotations
