@@ -44,6 +44,10 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
 def _wrap(kind: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model and its Adam (foreach, as the estimator assumes) under a strategy."""
     if kind in ("ddp", "zero1"):
@@ -73,11 +77,13 @@ def _run(kind: str, world_size: int) -> tuple[RankTable | None, list[list[int]]]
     gc.collect()  # FSDP's modules and states hold each other in cycles: the last run's too
     model, opt = _wrap(kind, _model())
     x = _input(BATCH)
-    model(x).sum().backward()
+    _loss(model(x)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     with memlab.track("cpu", breakdown=True, timeline=True, watch=[model, opt]) as t:
-        model(x).sum().backward()
+        out = model(x)  # held through backward and the step, as memlab.whatif's step does
+        loss = _loss(out)
+        loss.backward()
         opt.step()
     table = gather(t)
     params = list(model.parameters())
@@ -149,7 +155,7 @@ def test_fsdp_holds_a_padded_shard_and_ddp_everything(job: dict[str, Any]) -> No
 
 @pytest.fixture(scope="module")
 def predicted() -> Estimate:
-    return estimate(_model, _input, batch_size=BATCH, gpu=None, cuda_kernels=False)
+    return estimate(_model, _input, _loss, batch_size=BATCH, gpu=None, cuda_kernels=False)
 
 
 @pytest.mark.slow

@@ -318,12 +318,12 @@ def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
     assert ddp.by_category[Category.TEMPORARY] == temporary
     params = at_peak[Category.PARAMETER]
     assert fsdp.by_category[Category.PARAMETER] == params // n
-    # sharded, the state is small beside the activations: the end of forward is the peak, with
+    # sharded, the state is small beside the activations: the peak is while they are held, with
     # two units gathered and two all-gather buffers
-    assert fsdp.moment == "end of forward" and fsdp.extra == 4 * layer
+    assert fsdp.moment == "forward and backward" and fsdp.extra == 4 * layer
     assert z2.total <= z1.total
     keep = per_rank(e, n, "fsdp", reshard_after_forward=False)
-    assert keep.moment == "end of forward" and keep.extra == params + 2 * layer
+    assert keep.moment == "forward and backward" and keep.extra == params + 2 * layer
     assert per_rank(e, 1, "fsdp").total == sum(b for b in at_peak.values())
     table = str(strategies(e, n))
     assert "ddp" in table and "fsdp" in table and table.count("\n") >= 4

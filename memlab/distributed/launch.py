@@ -139,7 +139,12 @@ def _start_method(fn: Callable[..., Any]) -> str:
 def _here(fn: Callable[..., Any], backend: str, args: Sequence[Any]) -> Any:
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group(backend)
-    value = fn(dist.get_rank(), dist.get_world_size(), *args)
-    return value if dist.get_rank() == 0 else None
+    try:
+        value = fn(dist.get_rank(), dist.get_world_size(), *args)
+        return value if dist.get_rank() == 0 else None
+    finally:
+        if created:  # leave the process as it was found
+            dist.destroy_process_group()

@@ -15,9 +15,10 @@ same on every rank; what data parallelism changes is where the model's state liv
   ``reshard_after_forward`` every unit stays gathered from its forward to its backward.
 
 A rank's peak is the larger of two moments of the step: the optimizer step (the whole state,
-sharded by the strategy, and the optimizer's temporaries) and the end of the forward (the
-parameters and optimizer state, the activations at their highest, the gathered units). The
-estimate's own peak gives the categories of the moment it falls in. Checked against 2-rank CPU
+sharded by the strategy, and the optimizer's temporaries) and forward and backward (the
+parameters and optimizer state, the activations, the gathered units). The estimate's own peak
+gives the categories of the moment it falls in; the other moment is built from the highest
+figure of each category. Checked against 2-rank CPU
 jobs measured by `memlab.distributed` (benchmarks/RESULTS.md). Not modelled: the communication
 libraries' own buffers (NCCL), the allocator's cache on each rank.
 """
@@ -43,7 +44,7 @@ SHARDED = {
     "zero3": STATE,
     "fsdp": STATE,
 }
-STEP, FORWARD = "optimizer step", "end of forward"
+STEP, FORWARD = "optimizer step", "forward and backward"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RankMemory:
     #: Buffers the strategy adds: DDP's buckets, FSDP's gathered units.
     extra: int
     notes: tuple[str, ...] = field(default_factory=tuple)
-    #: When the peak falls: "optimizer step" or "end of forward".
+    #: When the peak falls: "optimizer step", or "forward and backward" (activations held).
     moment: str = STEP
 
     @property
@@ -125,8 +126,8 @@ def per_rank(
         gathered = held + 2 * unit
         what = "two units" if reshard_after_forward else "every unit (no reshard after forward)"
         notes.append(
-            f"at the end of forward: {what} gathered, and two all-gather buffers of the largest "
-            f"unit ({fmt_bytes(unit)})"
+            f"while activations are held: {what} gathered, and two all-gather buffers of the "
+            f"largest unit ({fmt_bytes(unit)})"
         )
     cats, extra, moment = step, buckets, STEP
     if sum(forward.values()) + buckets + gathered > sum(step.values()) + buckets:
