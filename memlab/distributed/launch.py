@@ -7,9 +7,10 @@ its module and name, which a function defined in a notebook cannot give (its mod
 CUDA is not yet initialised in the parent (CUDA does not survive a fork); any other function
 is run with ``spawn``, the safe default. Pass ``start_method`` to choose.
 
-Rank 0's return value comes home as JSON through a file (never pickled): a `RankTable`, or any
-value ``json.dumps`` takes. Under ``torchrun`` the same call runs the function in this process
-(the ranks already exist) and returns rank 0's value on rank 0, ``None`` on the others.
+Rank 0's return value comes home as JSON through a file (never pickled): a `RankTable`, a dict
+of them (one per strategy, say), or any value ``json.dumps`` takes. Under ``torchrun`` the same
+call runs the function in this process (the ranks already exist) and returns rank 0's value on
+rank 0, ``None`` on the others.
 """
 
 from __future__ import annotations
@@ -39,18 +40,24 @@ def _free_port() -> int:
 def _encode(value: Any) -> str:
     if isinstance(value, RankTable):
         return json.dumps({"kind": "RankTable", "value": value.to_dict()})
+    if isinstance(value, dict) and value and all(isinstance(v, RankTable) for v in value.values()):
+        tables = {str(k): v.to_dict() for k, v in value.items()}
+        return json.dumps({"kind": "RankTables", "value": tables})
     try:
         return json.dumps({"kind": "json", "value": value})
     except (TypeError, ValueError) as e:
         raise TypeError(
             "memlab.distributed.launch brings rank 0's return value home as JSON: return a "
-            f"RankTable (memlab.distributed.gather), or numbers, strings, lists and dicts, not "
+            "RankTable (memlab.distributed.gather), a dict of them, or numbers, strings, lists "
+            f"and dicts, not "
             f"{type(value).__name__}."
         ) from e
 
 
 def _decode(text: str) -> Any:
     d = json.loads(text)
+    if d["kind"] == "RankTables":
+        return {k: RankTable.from_dict(v) for k, v in d["value"].items()}
     return RankTable.from_dict(d["value"]) if d["kind"] == "RankTable" else d["value"]
 
 
