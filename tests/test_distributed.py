@@ -30,6 +30,15 @@ def _input(batch: int) -> torch.Tensor:
     return torch.randn(batch, WIDTH)
 
 
+def fsdp2() -> Any:
+    """``fully_shard``: public from torch 2.6, in ``_composable`` on 2.4 and 2.5."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -60,8 +69,7 @@ def _wrap(kind: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.opt
                 ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True
             )
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3, foreach=True)
-    from torch.distributed.fsdp import fully_shard
-
+    fully_shard = fsdp2()
     reshard = kind == "fsdp"
     for layer in model:
         fully_shard(layer, reshard_after_forward=reshard)
@@ -178,11 +186,44 @@ def test_the_table_renders_and_keeps_the_protocol(job: dict[str, Any]) -> None:
     assert RankTable.from_dict(table.to_dict()) == table
 
 
+def _row(rank: int, peak: int, device: str = "cpu") -> RankRow:
+    at_peak = {Category.PARAMETER: peak // 2, Category.ACTIVATION: peak - peak // 2}
+    return RankRow(rank, device, 0, 0, peak, "backward", at_peak, {}, ())
+
+
 def test_bad_rank_data_is_refused_with_the_field_named() -> None:
+    good = _row(1, 1000).to_dict()
+    assert RankRow.from_dict(good, 1) == _row(1, 1000)
     with pytest.raises(RankDataError, match="rank 1: 'peak_allocated'"):
-        RankRow.from_dict({"allocated_before": 0, "allocated_after": 0, "peak_allocated": "x"}, 1)
+        RankRow.from_dict({**good, "peak_allocated": "x"}, 1)
+    with pytest.raises(RankDataError, match="rank 1: 'peak_allocated'"):
+        RankRow.from_dict({**good, "peak_allocated": -5}, 1)
+    with pytest.raises(RankDataError, match="'peak_phase' must be one of"):
+        RankRow.from_dict({**good, "peak_phase": "<b>"}, 1)
     with pytest.raises(RankDataError, match="'ranks'"):
         RankTable.from_dict({"ranks": "no"})
+
+
+def test_a_row_is_made_from_a_report_with_the_phase_of_its_peak() -> None:
+    a = torch.zeros(1000)
+    with memlab.track("cpu", breakdown=True, timeline=True, watch=[a]) as t:
+        b = torch.ones(1000)
+        del b
+    row = RankRow.from_report(t.report, 3)
+    assert (row.rank, row.peak, row.peak_phase) == (3, t.report.peak_allocated, "other")
+    assert row.at_end == dict(t.report.breakdown.at_end)
+
+
+def test_what_another_process_sent_is_escaped_and_many_ranks_are_collapsed() -> None:
+    rows = tuple(_row(r, 1000 + (500 if r == 20 else r), device="<i>x</i>") for r in range(64))
+    table = RankTable(rows, "<gloo>")
+    html = table._repr_html_()
+    assert "<gloo>" not in html and "&lt;gloo&gt;" in html
+    assert [r.rank for r in table.shown()] == [0, 1, 2, 3, 4, 5, 20, 63]
+    text = str(table)
+    assert "rank 20" in text and "rank 63" in text and "rank 6 " not in text
+    assert "64 ranks: showing ranks 0, 1, 2, 3, 4, 5, 20, 63" in text
+    assert len(table.to_dict()["ranks"]) == 64
 
 
 def test_bad_arguments_name_what_to_pass() -> None:

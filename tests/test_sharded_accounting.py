@@ -72,19 +72,25 @@ def _local_bytes(tensors: list[torch.Tensor]) -> int:
 
 def test_a_dtensor_counts_its_local_shard(one_rank: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:  # torch 2.4: not public yet
+        from torch.distributed._tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     with memlab.track("cpu", breakdown=True) as r:
         d = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
         p = torch.nn.Parameter(d)
-        memlab_mark = r.mark
-        memlab_mark(p, Category.PARAMETER)
+        r.mark(p, Category.PARAMETER)
     assert r.report.breakdown.at_end[Category.PARAMETER] == _local_bytes([p]) == 64 * 32 * 4
 
 
 def test_fsdp2_parameters_are_counted_as_their_shards_after_the_step(one_rank: None) -> None:
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4 and 2.5: not public yet
+        from torch.distributed._composable.fsdp import fully_shard
 
     gc.collect()
     torch.manual_seed(0)

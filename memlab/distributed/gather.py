@@ -1,9 +1,11 @@
 """`gather`: every rank's report to one rank, as JSON, into a `RankTable`.
 
-Each rank encodes its report's ``to_dict()`` as JSON bytes; the lengths are all-gathered, the
-padded bytes gathered to ``dst`` in uint8 tensors, and ``dst`` parses them with ``json.loads``
-and checks every field (`RankRow.from_dict`). Nothing is pickled: ``gather_object`` would
-unpickle whatever another process sent.
+Each rank encodes its row (`RankRow.to_dict()`: its report's figures in the report's own
+``to_dict()`` keys, with the phase of the peak worked out on the rank, so that no timeline
+travels) as JSON bytes; the lengths are all-gathered, the padded bytes gathered to ``dst`` in
+uint8 tensors, and ``dst`` parses them with ``json.loads`` and checks every field
+(`RankRow.from_dict`). Nothing is pickled: ``gather_object`` would unpickle whatever another
+process sent.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def gather(region: track | MemoryReport, *, dst: int = 0) -> RankTable | None:
         raise ValueError(f"dst must be a rank from 0 to {world - 1}, got {dst!r}.")
     backend = str(dist.get_backend())
     on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    payload = json.dumps(report.to_dict()).encode()
+    payload = json.dumps(RankRow.from_report(report, rank).to_dict()).encode()
     sizes = [torch.zeros(1, dtype=torch.int64, device=on) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=on))
     lengths = [int(s.item()) for s in sizes]

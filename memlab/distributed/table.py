@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab.core.categories import Category
+from memlab.core.recorder import Phase
 from memlab.reports.frame import NAME, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
@@ -23,6 +24,12 @@ SHOWN = (
     Category.TEMPORARY,
     Category.OTHER,
 )
+
+
+#: Ranks a table shows at most (`RankTable.shown`).
+MAX_SHOWN = 8
+#: What `RankRow.peak_phase` may say.
+PHASES = (*Phase.NAMES, "n/a")
 
 
 class RankDataError(ValueError):
@@ -63,24 +70,38 @@ class RankRow:
 
     @classmethod
     def from_report(cls, report: MemoryReport, rank: int) -> RankRow:
-        return cls.from_dict(report.to_dict(), rank)
+        """One rank's row, from its region's report (the phase of the peak from its timeline)."""
+        phase = "n/a"
+        timeline = report.timeline
+        if timeline is not None and len(timeline):
+            i = max(range(len(timeline)), key=timeline.allocated.__getitem__)
+            phase = timeline.phases[i]
+        b = report.breakdown
+        return cls(
+            rank=rank,
+            device=report.device,
+            before=report.allocated_before,
+            after=report.allocated_after,
+            peak=report.peak_allocated,
+            peak_phase=phase,
+            at_peak=dict(b.at_peak) if b is not None else {},
+            at_end=dict(b.at_end) if b is not None else {},
+            notes=report.notes,
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], rank: int) -> RankRow:
-        """From a `MemoryReport`'s ``to_dict()`` (as `gather` sends it), checked field by field:
-        the data came from another process."""
+        """From ``to_dict()`` (as `gather` sends it), checked field by field: the data came from
+        another process."""
         where = f"rank {rank}"
         if not isinstance(d, Mapping):
-            raise RankDataError(f"{where}: expected a report's to_dict(), got {type(d).__name__}")
+            raise RankDataError(f"{where}: expected a RankRow's to_dict(), got {type(d).__name__}")
         cats = d.get("categories") or {}
         if not isinstance(cats, Mapping):
             raise RankDataError(f"{where}: 'categories' must be a mapping")
-        timeline = d.get("timeline")
-        phase = "n/a"
-        if isinstance(timeline, Mapping) and timeline.get("allocated"):
-            allocated, phases = timeline["allocated"], timeline.get("phases") or []
-            i = max(range(len(allocated)), key=allocated.__getitem__)
-            phase = str(phases[i]) if i < len(phases) else "n/a"
+        phase = d.get("peak_phase", "n/a")
+        if phase not in PHASES:
+            raise RankDataError(f"{where}: 'peak_phase' must be one of {PHASES}, got {phase!r}")
         notes = d.get("notes") or []
         return cls(
             rank=rank,
@@ -124,22 +145,30 @@ class RankTable(Result):
     def world_size(self) -> int:
         return len(self.rows)
 
+    def shown(self) -> tuple[RankRow, ...]:
+        """The ranks the text and HTML show: all of them up to `MAX_SHOWN`; beyond, the first
+        ones, the rank with the highest peak and the last (``to_dict()`` keeps every rank)."""
+        rows = self.rows
+        if len(rows) <= MAX_SHOWN:
+            return rows
+        highest = max(rows, key=lambda r: r.peak)
+        picked = {r.rank: r for r in (*rows[: MAX_SHOWN - 2], highest, rows[-1])}
+        return tuple(picked[k] for k in sorted(picked))
+
     def categories(self, at: str = "at_peak") -> list[Category]:
         return [c for c in SHOWN if any(getattr(r, at).get(c) for r in self.rows)]
 
     def lines(self) -> list[tuple[str, list[int | str]]]:
-        """The table's rows as (name, one figure per rank), the same for text and HTML."""
+        """The table's rows as (name, one figure per rank shown), the same for text and HTML."""
+        rows = self.shown()
         out: list[tuple[str, list[int | str]]] = [
-            ("peak", [r.peak for r in self.rows]),
-            ("peak phase", [r.peak_phase for r in self.rows]),
+            ("peak", [r.peak for r in rows]),
+            ("peak phase", [r.peak_phase for r in rows]),
         ]
+        out += [(f"  {c.value}", [r.at_peak.get(c, 0) for r in rows]) for c in self.categories()]
+        out.append(("at end", [r.after for r in rows]))
         out += [
-            (f"  {c.value}", [r.at_peak.get(c, 0) for r in self.rows]) for c in self.categories()
-        ]
-        out.append(("at end", [r.after for r in self.rows]))
-        out += [
-            (f"  {c.value}", [r.at_end.get(c, 0) for r in self.rows])
-            for c in self.categories("at_end")
+            (f"  {c.value}", [r.at_end.get(c, 0) for r in rows]) for c in self.categories("at_end")
         ]
         return out
 
@@ -148,7 +177,15 @@ class RankTable(Result):
         return f"memlab · {self.world_size} rank{'s' if self.world_size != 1 else ''}{on}"
 
     def notes(self) -> list[str]:
-        return [f"rank {r.rank}: {n}" for r in self.rows for n in r.notes]
+        shown = self.shown()
+        notes = [f"rank {r.rank}: {n}" for r in shown for n in r.notes]
+        if len(shown) < len(self.rows):
+            ranks = ", ".join(str(r.rank) for r in shown)
+            notes.append(
+                f"{len(self.rows)} ranks: showing ranks {ranks} (the first ones, the highest "
+                "peak, the last); to_dict() has every rank"
+            )
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,16 +200,13 @@ class RankTable(Result):
         ranks = d.get("ranks") if isinstance(d, Mapping) else None
         if not isinstance(ranks, list):
             raise RankDataError("a RankTable's to_dict() has a list under 'ranks'")
-        rows = []
-        for i, r in enumerate(ranks):
-            row = RankRow.from_dict(r, i)
-            rows.append(RankRow(**{**row.__dict__, "peak_phase": str(r.get("peak_phase"))}))
-        return cls(tuple(rows), str(d.get("backend", "")))
+        rows = tuple(RankRow.from_dict(r, i) for i, r in enumerate(ranks))
+        return cls(rows, str(d.get("backend", "")))
 
     def text(self) -> str:
         from memlab.reports.units import fmt_bytes
 
-        head = f"{self.title():34}" + "".join(f"{'rank ' + str(r.rank):>11}" for r in self.rows)
+        head = f"{self.title():34}" + "".join(f"{'rank ' + str(r.rank):>11}" for r in self.shown())
         body = [
             f"{name:34}"
             + "".join(f"{v if isinstance(v, str) else fmt_bytes(v):>11}" for v in figures)
@@ -193,7 +227,7 @@ class RankTable(Result):
                 heading(
                     self.title(), "tensor bytes per rank: at the region's peak, and at its end"
                 ),
-                table(["", *(f"rank {r.rank}" for r in self.rows)], rows, "memlab-ranks-table"),
+                table(["", *(f"rank {r.rank}" for r in self.shown())], rows, "memlab-ranks-table"),
                 *(note(n) for n in self.notes()),
             ]
         )
