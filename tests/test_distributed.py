@@ -137,6 +137,11 @@ def test_state_bytes_per_rank_equal_the_local_tensors(job: dict[str, Any], kind:
         assert at_end[Category.GRADIENT] == grads, (kind, row.rank)
         assert at_end[Category.OPTIMIZER_STATE] == state, (kind, row.rank)
         assert row.peak >= sum(at_end[c] for c in STATE_CATEGORIES)
+        # at the start: the state, no gradient (set to None), the input, and a few scalars; not
+        # gloo's reduce-scatter staging buffers (a unit each), counted where they appear, nor
+        # DDP's buckets, which DDP builds again in its second step, inside the region
+        start = params + state + BATCH * WIDTH * 4
+        assert 0 <= row.before - start < 1024, (kind, row.rank, row.before - start)
         assert row.peak_phase in ("forward", "backward", "optimizer")
 
 
