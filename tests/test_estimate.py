@@ -310,11 +310,20 @@ def test_data_parallel_strategies_divide_the_state_on_paper() -> None:
     assert per_rank(e, n, "ddp", bucket_view=True).extra == 0
     state = at_peak.get(Category.OPTIMIZER_STATE, 0)
     assert z1.by_category.get(Category.OPTIMIZER_STATE, 0) == -(-state // n)
-    assert z1.extra == 0 and z1.total < ddp.total
+    assert z1.extra == ddp.extra and z1.total < ddp.total  # ZeroRedundancyOptimizer keeps DDP
+    # the estimate's peak is in the optimizer step: its temporaries shrink with the state
+    assert ddp.moment == z1.moment == "optimizer step"
+    temporary = at_peak[Category.TEMPORARY]
+    assert z1.by_category[Category.TEMPORARY] == -(-temporary // n)
+    assert ddp.by_category[Category.TEMPORARY] == temporary
     params = at_peak[Category.PARAMETER]
     assert fsdp.by_category[Category.PARAMETER] == params // n
-    assert fsdp.extra == 3 * layer
+    # sharded, the state is small beside the activations: the peak is while they are held, with
+    # two units gathered and two all-gather buffers
+    assert fsdp.moment == "forward and backward" and fsdp.extra == 4 * layer
     assert z2.total <= z1.total
+    keep = per_rank(e, n, "fsdp", reshard_after_forward=False)
+    assert keep.moment == "forward and backward" and keep.extra == params + 2 * layer
     assert per_rank(e, 1, "fsdp").total == sum(b for b in at_peak.values())
     table = str(strategies(e, n))
     assert "ddp" in table and "fsdp" in table and table.count("\n") >= 4

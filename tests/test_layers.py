@@ -19,6 +19,7 @@ FLOORS = [
     ("step",),
     ("magic",),
     ("estimate",),
+    ("distributed",),
     ("panel",),
     # above the floors: the public aliases, the model zoo's cases, the course, the package root
     ("whatif", "examples", "course", "autoload", "__init__"),

@@ -20,7 +20,8 @@ from torch import nn
 import memlab
 from memlab import Breakdown, Category, Graph, MemoryReport, Reports
 from memlab.core.warn import MemlabDeprecationWarning
-from memlab.estimate import Estimate, StrategyTable, compare, strategies
+from memlab.distributed import Check, RankRow, RankTable, check
+from memlab.estimate import Estimate, StrategyTable, compare, per_rank, strategies
 from memlab.estimate.gpus import GPUS
 from memlab.estimate.oom import explain
 from memlab.estimate.spread import Cause
@@ -166,6 +167,24 @@ def oom(label: str = "x") -> OOMExplanation:
         source="y = net(x)",
         notes=("one note",),
     )
+def rank_table() -> RankTable:
+    def row(rank: int, gathered: int) -> RankRow:
+        at_peak = {
+            Category.PARAMETER: 1 * MiB + gathered,
+            Category.OPTIMIZER_STATE: 2 * MiB,
+            Category.ACTIVATION: 3 * MiB,
+            Category.COMMUNICATION: gathered,
+        }
+        at_end = {c: at_peak[c] for c in (Category.PARAMETER, Category.OPTIMIZER_STATE)}
+        at_end[Category.PARAMETER] -= gathered
+        peak = sum(at_peak.values())
+        return RankRow(rank, "cpu", 3 * MiB, 3 * MiB, peak, "forward", at_peak, at_end, ())
+
+    return RankTable((row(0, MiB // 2), row(1, MiB)), "gloo")
+
+
+def a_check() -> Check:
+    return check(rank_table(), per_rank(an_estimate(), 2, "fsdp"), "mlp")
 
 
 #: name of the golden files -> a deterministic result of that type
@@ -188,6 +207,8 @@ RESULTS: dict[str, Callable[[], Result]] = {
     "preflight": lambda: Preflight("T4 (16 GiB)", 15 * 1024 * MiB, 90 * MiB, 122 * MiB, oom()),
     "preflight_fits": lambda: Preflight("L4 (24 GiB)", 23 * 1024 * MiB, 90 * MiB, 122 * MiB),
     "snapshot": lambda: from_dict(training_snapshot(steps=1, layers=2)[0], "step.pickle"),
+    "rank_table": rank_table,
+    "check": a_check,
 }
 
 

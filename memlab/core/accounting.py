@@ -21,8 +21,10 @@ from memlab.core import _torch
 from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
+from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
+from memlab.core.resizes import following_resizes
 from memlab.core.warmup import warm_up
 
 
@@ -35,10 +37,14 @@ class _Mode(OwnedMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         acc = self.accountant
+        if acc.comms.pending:
+            acc.comms.adopt(args, kwargs)
         acc.see_inputs(args, kwargs)
         started = time.perf_counter()  # an op takes its output memory when it starts
         out = func(*args, **(kwargs or {}))
         acc.see_outputs(out, started)
+        if is_collective(func):
+            acc.comms.seen(args, kwargs, out)
         return out
 
 
@@ -70,6 +76,7 @@ class Accountant:
         self._optimizer_depth = 0
         self._sweep_queued = False
         self._mode: _Mode | None = None
+        self.comms = Collectives(ledger, self._error)
         #: Serials of the storages the region's ops read.
         self.used: set[int] = set()
 
@@ -80,6 +87,7 @@ class Accountant:
         try:
             if self.breakdown:
                 self._install_role_hooks()
+            self._stack.enter_context(following_resizes(self.ledger.resized))
             mode = _Mode(self)
             self._stack.enter_context(mode)
             self._mode = mode

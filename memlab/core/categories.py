@@ -17,6 +17,7 @@ class Category(str, Enum):
     OPTIMIZER_STATE = "optimizer_state"
     GRADIENT = "gradient"
     KV_CACHE = "kv_cache"
+    COMMUNICATION = "communication"
     INPUT = "input"
     ACTIVATION = "activation"
     TEMPORARY = "temporary"
@@ -34,7 +35,13 @@ PRIORITY: dict[Category, int] = {c: i for i, c in enumerate(Category)}
 #: Roles a storage keeps from one region to the next. Being saved for backward (activation) or
 #: being a region's input is a role within one region only.
 STICKY = frozenset(
-    {Category.PARAMETER, Category.BUFFER, Category.OPTIMIZER_STATE, Category.GRADIENT}
+    {
+        Category.PARAMETER,
+        Category.BUFFER,
+        Category.OPTIMIZER_STATE,
+        Category.GRADIENT,
+        Category.COMMUNICATION,
+    }
 )
 
 DESCRIPTIONS: dict[Category, str] = {
@@ -44,6 +51,9 @@ DESCRIPTIONS: dict[Category, str] = {
     Category.GRADIENT: "the .grad of parameters and other leaf tensors",
     Category.KV_CACHE: "the key/value cache of a language model generating tokens (its keys "
     "and values for every token so far, in each layer)",
+    Category.COMMUNICATION: "buffers a collective (all-gather, reduce-scatter, all-reduce) "
+    "read or wrote that hold no parameter or gradient: DDP's gradient buckets, FSDP's gathered "
+    "and reduce-scattered flat buffers",
     Category.INPUT: "tensors passed to track(inputs=...)",
     Category.ACTIVATION: "tensors saved for backward by autograd",
     Category.TEMPORARY: "created in the region and freed before it ended",

@@ -17,60 +17,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Protocol
 
 import torch
 
 from memlab.core.categories import STICKY, Category, stronger
+from memlab.core.storages import Entry, Listener, PackRef, StorageRef, device_key, storage_of
 
-
-class _Listener(Protocol):
-    device: str
-
-    def on_alloc(self, serial: int, delta: int, when: float) -> None: ...
-    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None: ...
-    def on_discovered(self, serial: int, nbytes: int) -> None: ...
-    def on_mark(self, serial: int, category: Category) -> None: ...
-    def on_saved(self, serial: int, saved: bool) -> None: ...
-
-
-class Entry:
-    __slots__ = ("alive", "category", "device", "nbytes", "notified", "ref", "saved", "serial")
-
-    def __init__(self, serial: int, ref: _StorageRef, nbytes: int, device: str) -> None:
-        self.serial = serial
-        self.ref = ref
-        self.nbytes = nbytes
-        self.category: Category | None = None
-        self.device = device
-        #: How many autograd nodes hold this storage saved for backward right now.
-        self.saved = 0
-        self.alive = True
-        #: Listeners told of the free so far (settling resumes there after an interrupt).
-        self.notified = 0
-
-
-_DEVICE_KEYS: dict[torch.device, str] = {}
-
-
-def device_key(device: torch.device) -> str:
-    """``cuda`` becomes ``cuda:<current>``; other devices keep their string form."""
-    key = _DEVICE_KEYS.get(device)
-    if key is not None:
-        return key
-    index: int | None = device.index  # None for a bare "cuda" (torch's stubs say int)
-    if device.type == "cuda" and index is None:
-        return f"cuda:{torch.cuda.current_device()}"  # not cached: the current device can change
-    key = _DEVICE_KEYS[device] = str(device)
-    return key
-
-
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The tensor's storage, or ``None`` for tensors without one (sparse, some subclasses)."""
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
+__all__ = ["Entry", "Ledger", "default_ledger", "device_key", "storage_of"]
 
 
 class Ledger:
@@ -83,10 +36,10 @@ class Ledger:
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
         self._totals: dict[str, int] = {}
-        self._listeners: list[_Listener] = []
+        self._listeners: list[Listener] = []
         self._serials = itertools.count()
         self._lock = threading.RLock()
-        self._packs: dict[int, _PackRef] = {}
+        self._packs: dict[int, PackRef] = {}
         #: Dead references, in the order their storages (or saved aliases) died.
         self._dead: deque[weakref.ref[object]] = deque()
         self._when = 0.0
@@ -129,9 +82,9 @@ class Ledger:
             while dead:
                 try:
                     ref = dead[0]
-                    if type(ref) is _StorageRef:
+                    if type(ref) is StorageRef:
                         self._freed(ref)
-                    elif type(ref) is _PackRef:
+                    elif type(ref) is PackRef:
                         self._unsaved(ref)
                     dead.popleft()
                 except KeyboardInterrupt as e:  # settle all first: the figures stay right
@@ -140,23 +93,21 @@ class Ledger:
             raise interrupted
 
     # -- listeners --------------------------------------------------------------------------
-    def attach(self, listener: _Listener) -> None:
+    def attach(self, listener: Listener) -> None:
         with self._lock:
             self.settle()
             self._listeners.append(listener)
 
-    def detach(self, listener: _Listener) -> None:
+    def detach(self, listener: Listener) -> None:
         with self._lock:
             self.settle()
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
     # -- observations -----------------------------------------------------------------------
-    def _add(self, storage: torch.UntypedStorage, nbytes: int, t: torch.Tensor) -> Entry:
-        # The tensor's device, not the storage's: a fake CPU tensor's storage lives on "meta".
-        device = device_key(t.device)
+    def _add(self, storage: torch.UntypedStorage, nbytes: int, device: str) -> Entry:
         key = id(storage)
-        ref = _StorageRef(storage, self._dead.append)
+        ref = StorageRef(storage, self._dead.append)
         ref.key = key
         entry = Entry(next(self._serials), ref, nbytes, device)
         self._entries[key] = entry
@@ -174,7 +125,8 @@ class Ledger:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._add(storage, storage.nbytes(), t)
+                # The tensor's device, not the storage's: a fake tensor's storage is on "meta".
+                entry = self._add(storage, storage.nbytes(), device_key(t.device))
                 for listener in self._listeners:
                     if listener.device == entry.device:
                         listener.on_discovered(entry.serial, entry.nbytes)
@@ -193,7 +145,7 @@ class Ledger:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._add(storage, nbytes, t)
+                entry = self._add(storage, nbytes, device_key(t.device))
                 delta = nbytes
             else:
                 delta = nbytes - entry.nbytes
@@ -205,6 +157,46 @@ class Ledger:
                 if listener.device == entry.device:
                     listener.on_alloc(entry.serial, delta, when)
             return entry
+
+    def knows(self, storage: torch.UntypedStorage) -> bool:
+        """Whether the storage is one the ledger follows."""
+        if self._dead:
+            self.settle()
+        return id(storage) in self._entries
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage.resize_()`` ran (FSDP frees and refills parameters this way, outside the
+        dispatcher): its new size counts from now. One unknown to the ledger is registered as
+        having existed at its size ``before``."""
+        if self._dead:
+            self.settle()
+        with self._lock:
+            entry = self._entries.get(id(storage))
+            if entry is None:
+                entry = self._add(storage, before, device_key(storage.device))
+                for listener in self._listeners:
+                    if listener.device == entry.device:
+                        listener.on_discovered(entry.serial, before)
+            self._grew(entry, storage.nbytes(), time.perf_counter())
+
+    def resync(self) -> None:
+        """Re-reads the size of every live storage (a resize while no region was open)."""
+        with self._lock:
+            self.settle()
+            now = time.perf_counter()
+            for entry in list(self._entries.values()):
+                storage = entry.ref()
+                if storage is not None:
+                    self._grew(entry, storage.nbytes(), now)
+
+    def _grew(self, entry: Entry, nbytes: int, when: float) -> None:
+        delta = nbytes - entry.nbytes
+        if delta:
+            entry.nbytes = nbytes
+            self._totals[entry.device] += delta
+            for listener in self._listeners:
+                if listener.device == entry.device:
+                    listener.on_alloc(entry.serial, delta, when)
 
     def classify(self, t: torch.Tensor, category: Category) -> None:
         storage = storage_of(t)
@@ -225,7 +217,7 @@ class Ledger:
         if storage is None:
             return
         entry = self.existing(t, storage)
-        ref = _PackRef(packed, self._dead.append)
+        ref = PackRef(packed, self._dead.append)
         ref.entry = entry
         ref.step = 0
         with self._lock:
@@ -234,7 +226,7 @@ class Ledger:
             if entry.saved == 1:
                 self._notify_saved(entry, True)
 
-    def _unsaved(self, ref: _PackRef) -> None:
+    def _unsaved(self, ref: PackRef) -> None:
         """Autograd let a saved alias go. Safe to run again after an interrupt."""
         entry = ref.entry
         if ref.step == 0:  # (no call between these lines: an interrupt cannot split them)
@@ -251,7 +243,7 @@ class Ledger:
             if listener.device == entry.device:
                 listener.on_saved(entry.serial, saved)
 
-    def _freed(self, ref: _StorageRef) -> None:
+    def _freed(self, ref: StorageRef) -> None:
         """One storage's free. Safe to run again after an interrupt: each step happens once."""
         entry = self._entries.get(ref.key)
         if entry is None or entry.ref is not ref:
@@ -267,22 +259,6 @@ class Ledger:
                 listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
             entry.notified += 1
         del self._entries[ref.key]
-
-
-class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a storage that knows its ledger key."""
-
-    __slots__ = ("key",)
-    key: int
-
-
-class _PackRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to the alias autograd holds for a saved tensor."""
-
-    __slots__ = ("entry", "step")
-    entry: Entry
-    #: 0: saved; 1: counted down; 2: listeners told.
-    step: int
 
 
 _DEFAULT: Ledger | None = None

@@ -1,7 +1,14 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
 from memlab.estimate.after_oom import after_oom
-from memlab.estimate.distributed import RankMemory, StrategyTable, compare, per_rank, strategies
+from memlab.estimate.distributed import (
+    RankMemory,
+    StrategyTable,
+    compare,
+    model_states,
+    per_rank,
+    strategies,
+)
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.predict import estimate
 from memlab.estimate.result import Estimate
@@ -15,6 +22,7 @@ __all__ = [
     "after_oom",
     "compare",
     "estimate",
+    "model_states",
     "per_rank",
     "strategies",
 ]

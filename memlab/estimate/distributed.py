@@ -6,16 +6,21 @@ same on every rank; what data parallelism changes is where the model's state liv
 - ``ddp``: every rank holds all parameters, gradients and optimizer state. DDP also keeps its
   gradient buckets, flat buffers as large as all the gradients together (unless the model is
   wrapped with ``gradient_as_bucket_view=True``, which makes the gradients views of them).
-- ``zero1``: the optimizer state is sharded: each rank keeps ``1/N`` of it.
+- ``zero1``: the optimizer state is sharded: each rank keeps ``1/N`` of it (and the optimizer's
+  temporaries shrink with it); DDP's buckets stay (PyTorch's ``ZeroRedundancyOptimizer``).
 - ``zero2``: gradients are sharded too (reduce-scattered as backward produces them).
-- ``zero3`` / ``fsdp`` (full sharding): parameters too; a rank gathers one unit's parameters at a
-  time (here: each repeated block, as checkpointing "auto" finds them) and, with prefetching,
-  the next unit's while it computes, and holds a unit's full gradients until they are
-  reduce-scattered.
+- ``zero3`` / ``fsdp`` (full sharding): parameters too. A rank gathers one unit's parameters at
+  a time (here: each repeated block, as checkpointing "auto" finds them), and the next unit's
+  while it computes: two units gathered, in two all-gather buffers. Without
+  ``reshard_after_forward`` every unit stays gathered from its forward to its backward.
 
-The figures apply these rules to the categories of the step's peak; they do not model the
-communication libraries' own buffers (NCCL), the moment of the peak moving when the state
-shrinks, or the allocator's cache. They are for planning, not for promises.
+A rank's peak is the larger of two moments of the step: the optimizer step (the whole state,
+sharded by the strategy, and the optimizer's temporaries) and forward and backward (the
+parameters and optimizer state, the activations, the gathered units). The estimate's own peak
+gives the categories of the moment it falls in; the other moment is built from the highest
+figure of each category. Checked against 2-rank CPU
+jobs measured by `memlab.distributed` (benchmarks/RESULTS.md). Not modelled: the communication
+libraries' own buffers (NCCL), the allocator's cache on each rank.
 """
 
 from __future__ import annotations
@@ -31,11 +36,20 @@ from memlab.reports.units import fmt_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 STATE = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+#: What each strategy shards.
+SHARDED = {
+    "ddp": (),
+    "zero1": (Category.OPTIMIZER_STATE,),
+    "zero2": (Category.OPTIMIZER_STATE, Category.GRADIENT),
+    "zero3": STATE,
+    "fsdp": STATE,
+}
+STEP, FORWARD = "optimizer step", "forward and backward"
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """What one rank holds at the step's peak under a strategy, by category (bytes)."""
+    """What one rank holds at its peak under a strategy, by category (bytes)."""
 
     strategy: str
     world_size: int
@@ -43,6 +57,8 @@ class RankMemory:
     #: Buffers the strategy adds: DDP's buckets, FSDP's gathered units.
     extra: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: When the peak falls: "optimizer step", or "forward and backward" (activations held).
+    moment: str = STEP
 
     @property
     def total(self) -> int:
@@ -55,14 +71,20 @@ class RankMemory:
             "by_category": {c.value: b for c, b in self.by_category.items()},
             "extra": self.extra,
             "total": self.total,
+            "moment": self.moment,
             "notes": list(self.notes),
         }
 
 
 def per_rank(
-    estimate: Estimate, world_size: int, strategy: str = "ddp", *, bucket_view: bool = False
+    estimate: Estimate,
+    world_size: int,
+    strategy: str = "ddp",
+    *,
+    bucket_view: bool = False,
+    reshard_after_forward: bool = True,
 ) -> RankMemory:
-    """One rank's memory at the step's peak for ``strategy`` over ``world_size`` GPUs."""
+    """One rank's memory at its peak for ``strategy`` over ``world_size`` GPUs."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}.")
     if not isinstance(world_size, int) or world_size < 1:
@@ -70,26 +92,48 @@ def per_rank(
     breakdown = estimate.tensors.breakdown
     if breakdown is None:
         raise ValueError("the estimate has no breakdown to divide.")
-    at_peak = dict(breakdown.at_peak)
     n = world_size
-    sharded = {
-        "ddp": (),
-        "zero1": (Category.OPTIMIZER_STATE,),
-        "zero2": (Category.OPTIMIZER_STATE, Category.GRADIENT),
-        "zero3": STATE,
-        "fsdp": STATE,
-    }[strategy]
-    by_category = {c: -(-b // n) if c in sharded else b for c, b in at_peak.items() if b}
+    sharded = SHARDED[strategy]
+    at_peak = {c: b for c, b in breakdown.at_peak.items() if b}
+    highest = breakdown.highest
+
+    # The estimate's own peak: in the optimizer step when no activation is alive at it; its
+    # temporaries are then the optimizer's, which shrink with the optimizer state.
+    in_step = not at_peak.get(Category.ACTIVATION)
+    if in_step and Category.OPTIMIZER_STATE in sharded:
+        sharded = (*sharded, Category.TEMPORARY)
+
+    def share(c: Category, b: int) -> int:
+        return -(-b // n) if c in sharded else b
+
+    state = {c: highest.get(c, 0) for c in STATE}
+    if in_step:
+        step = {c: share(c, b) for c, b in at_peak.items()}
+        forward = {c: share(c, state[c]) for c in (Category.PARAMETER, Category.OPTIMIZER_STATE)}
+        forward[Category.ACTIVATION] = highest.get(Category.ACTIVATION, 0)
+    else:
+        forward = {c: share(c, b) for c, b in at_peak.items()}
+        step = {c: share(c, b) for c, b in state.items()}
     notes = []
-    extra = 0
-    if strategy == "ddp" and not bucket_view:
-        extra = breakdown.highest.get(Category.GRADIENT, 0)
+    buckets = 0
+    if strategy in ("ddp", "zero1") and not bucket_view:
+        buckets = highest.get(Category.GRADIENT, 0)
         notes.append("DDP's gradient buckets: as large as the gradients")
+    gathered = 0
     if strategy in ("zero3", "fsdp") and n > 1:
-        unit = max(estimate.fsdp_units, default=breakdown.highest.get(Category.PARAMETER, 0))
-        extra = 3 * unit  # the unit gathered, the next one prefetched, one unit's full gradients
-        notes.append(f"gathered units: 3 × the largest unit's parameters ({fmt_bytes(unit)})")
-    return RankMemory(strategy, n, by_category, extra, tuple(notes))
+        unit = max(estimate.fsdp_units, default=highest.get(Category.PARAMETER, 0))
+        held = 2 * unit if reshard_after_forward else state[Category.PARAMETER]
+        gathered = held + 2 * unit
+        what = "two units" if reshard_after_forward else "every unit (no reshard after forward)"
+        notes.append(
+            f"while activations are held: {what} gathered, and two all-gather buffers of the "
+            f"largest unit ({fmt_bytes(unit)})"
+        )
+    cats, extra, moment = step, buckets, STEP
+    if sum(forward.values()) + buckets + gathered > sum(step.values()) + buckets:
+        cats, extra, moment = forward, buckets + gathered, FORWARD
+    by_category = {c: b for c, b in cats.items() if b}
+    return RankMemory(strategy, n, by_category, extra, tuple(notes), moment)
 
 
 #: The categories a table shows, in order (those no strategy holds any of are left out).
@@ -158,6 +202,35 @@ def strategies(estimate: Estimate, world_size: int) -> StrategyTable:
     """One rank's memory under every strategy (ddp, zero1, zero2, fsdp) over ``world_size``
     GPUs: ``.rows`` holds each strategy's `RankMemory`; display it, print it or ``.to_dict()``."""
     rows = [per_rank(estimate, world_size, s) for s in STRATEGIES if s != "zero3"]
+    return StrategyTable(world_size, tuple(rows))
+
+
+def model_states(
+    parameters: int,
+    world_size: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 12,
+) -> StrategyTable:
+    """The model states alone (parameters, gradients, optimizer state) of ``parameters``
+    parameters per rank, unsharded and under each ZeRO stage, as the ZeRO paper counts them
+    (Rajbhandari et al., 2020, Figure 1). The defaults are mixed-precision Adam: fp16
+    parameters and gradients, and an fp32 copy of the parameters, momentum and variance
+    (12 bytes a parameter)."""
+    for name, value in (("parameters", parameters), ("world_size", world_size)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a whole number ≥ 1, not {value!r}.")
+    sizes = {
+        Category.PARAMETER: param_bytes * parameters,
+        Category.GRADIENT: grad_bytes * parameters,
+        Category.OPTIMIZER_STATE: optimizer_bytes * parameters,
+    }
+    rows = []
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        sharded = SHARDED[strategy]
+        cats = {c: -(-b // world_size) if c in sharded else b for c, b in sizes.items()}
+        rows.append(RankMemory(strategy, world_size, cats, 0))
     return StrategyTable(world_size, tuple(rows))
 
 

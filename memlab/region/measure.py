@@ -83,6 +83,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         )
         try:
             if needs_accounting:
+                self._ledger.resync()  # storages resized while no region was open
                 acc = self._accountant = Accountant(self._ledger, self.breakdown)
                 acc.watch(self._watched())
                 for t in _alive(self._inputs):

@@ -24,6 +24,7 @@ CATEGORY_COLOURS = {
     Category.OPTIMIZER_STATE: "#7030a0",
     Category.GRADIENT: "#c55a11",
     Category.KV_CACHE: "#a23b72",
+    Category.COMMUNICATION: "#2e8b8b",
     Category.INPUT: "#70ad47",
     Category.ACTIVATION: "#e8a33d",
     Category.TEMPORARY: "#bfbfbf",

@@ -1,0 +1,86 @@
+"""What the ledger holds about one storage: its identity (the storage's Python object, followed
+by a weak reference), its size, its role; and how a tensor's storage and device are found."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from memlab.core._torch import wrapped_tensors
+from memlab.core.categories import Category
+
+
+class Listener(Protocol):
+    device: str
+
+    def on_alloc(self, serial: int, delta: int, when: float) -> None: ...
+    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None: ...
+    def on_discovered(self, serial: int, nbytes: int) -> None: ...
+    def on_mark(self, serial: int, category: Category) -> None: ...
+    def on_saved(self, serial: int, saved: bool) -> None: ...
+
+
+class Entry:
+    __slots__ = ("alive", "category", "device", "nbytes", "notified", "ref", "saved", "serial")
+
+    def __init__(self, serial: int, ref: StorageRef, nbytes: int, device: str) -> None:
+        self.serial = serial
+        self.ref = ref
+        self.nbytes = nbytes
+        self.category: Category | None = None
+        self.device = device
+        #: How many autograd nodes hold this storage saved for backward right now.
+        self.saved = 0
+        self.alive = True
+        #: Listeners told of the free so far (settling resumes there after an interrupt).
+        self.notified = 0
+
+
+_DEVICE_KEYS: dict[torch.device, str] = {}
+
+
+def device_key(device: torch.device) -> str:
+    """``cuda`` becomes ``cuda:<current>``; other devices keep their string form."""
+    key = _DEVICE_KEYS.get(device)
+    if key is not None:
+        return key
+    index: int | None = device.index  # None for a bare "cuda" (torch's stubs say int)
+    if device.type == "cuda" and index is None:
+        return f"cuda:{torch.cuda.current_device()}"  # not cached: the current device can change
+    key = _DEVICE_KEYS[device] = str(device)
+    return key
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage, or ``None`` for tensors without one (sparse, some subclasses). A
+    wrapper subclass (a DTensor) answers for the first tensor it wraps (its local shard): the
+    wrapper's own storage is a placeholder the size of the global tensor, with no memory."""
+    try:
+        if type(t) not in _PLAIN:
+            inner = wrapped_tensors(t)
+            if inner:
+                t = inner[0]
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a storage that knows its ledger key."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+class PackRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to the alias autograd holds for a saved tensor."""
+
+    __slots__ = ("entry", "step")
+    entry: Entry
+    #: 0: saved; 1: counted down; 2: listeners told.
+    step: int

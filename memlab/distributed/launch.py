@@ -1,0 +1,157 @@
+"""`launch`: run a function on N ranks of one process group, from a notebook or a script.
+
+``torch.multiprocessing`` starts the ranks. With ``spawn`` each child imports the function by
+its module and name, which a function defined in a notebook cannot give (its module,
+``__main__``, is the kernel, not a file). So a function from ``__main__`` is run with ``fork``
+(the child is a copy of the kernel, the function included), where the platform has it and
+CUDA is not yet initialised in the parent (CUDA does not survive a fork); any other function
+is run with ``spawn``, the safe default. Pass ``start_method`` to choose.
+
+Rank 0's return value comes home as JSON through a file (never pickled): a `RankTable`, a dict
+of them (one per strategy, say), or any value ``json.dumps`` takes. Under ``torchrun`` the same
+call runs the function in this process (the ranks already exist) and returns rank 0's value on
+rank 0, ``None`` on the others.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlab.distributed.table import RankTable
+
+BACKENDS = ("gloo", "nccl")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _encode(value: Any) -> str:
+    if isinstance(value, RankTable):
+        return json.dumps({"kind": "RankTable", "value": value.to_dict()})
+    if isinstance(value, dict) and value and all(isinstance(v, RankTable) for v in value.values()):
+        tables = {str(k): v.to_dict() for k, v in value.items()}
+        return json.dumps({"kind": "RankTables", "value": tables})
+    try:
+        return json.dumps({"kind": "json", "value": value})
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            "memlab.distributed.launch brings rank 0's return value home as JSON: return a "
+            "RankTable (memlab.distributed.gather), a dict of them, or numbers, strings, lists "
+            f"and dicts, not "
+            f"{type(value).__name__}."
+        ) from e
+
+
+def _decode(text: str) -> Any:
+    d = json.loads(text)
+    if d["kind"] == "RankTables":
+        return {k: RankTable.from_dict(v) for k, v in d["value"].items()}
+    return RankTable.from_dict(d["value"]) if d["kind"] == "RankTable" else d["value"]
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str,
+    init_method: str,
+    out: str,
+    args: Sequence[Any],
+) -> None:
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        value = fn(rank, world_size, *args)
+        if rank == 0:
+            Path(out).write_text(_encode(value))
+    finally:
+        dist.destroy_process_group()
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    backend: str = "gloo",
+    *,
+    args: Sequence[Any] = (),
+    start_method: str | None = None,
+) -> Any:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks joined in one process group
+    (``backend``: ``"gloo"`` for CPUs, ``"nccl"`` for one GPU per rank) and returns what rank 0's
+    ``fn`` returned. Under ``torchrun`` the ranks exist already: ``fn`` runs here, with the
+    launcher's world size."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function fn(rank, world_size), got {type(fn).__name__}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+    if _under_torchrun():
+        return _here(fn, backend, args)
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world_size must be a whole number ≥ 1, got {world_size!r}.")
+    method = start_method or _start_method(fn)
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"start_method must be one of {', '.join(multiprocessing.get_all_start_methods())}, "
+            f"got {method!r}."
+        )
+    from torch.multiprocessing.spawn import start_processes
+
+    with tempfile.TemporaryDirectory(prefix="memlab-launch-") as tmp:
+        out = str(Path(tmp) / "rank0.json")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        start_processes(
+            _worker,
+            args=(fn, world_size, backend, init, out, tuple(args)),
+            nprocs=world_size,
+            start_method=method,
+        )
+        return _decode(Path(out).read_text())
+
+
+def _start_method(fn: Callable[..., Any]) -> str:
+    if getattr(fn, "__module__", None) != "__main__":
+        return "spawn"
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            "a function defined in a notebook cannot be started with spawn on this platform "
+            "(no fork): put it in a module (%%writefile steps.py, then import it) and pass that."
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "this kernel has initialised CUDA, which does not survive fork: put the function in "
+            "a module (%%writefile steps.py, then import it), or launch before using CUDA."
+        )
+    return "fork"
+
+
+def _here(fn: Callable[..., Any], backend: str, args: Sequence[Any]) -> Any:
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend)
+    try:
+        value = fn(dist.get_rank(), dist.get_world_size(), *args)
+        return value if dist.get_rank() == 0 else None
+    finally:
+        if created:  # leave the process as it was found
+            dist.destroy_process_group()
