@@ -63,18 +63,17 @@ def calibrate_step(shell: Any) -> int:
     return max(1, round(0.020 / per))
 
 
-def in_kernel(argv: list[str]) -> None:
-    """Run this script inside a fresh ipykernel and relay what it prints."""
+def in_kernel(argv: list[str], script: str = __file__) -> None:
+    """Run ``script`` (this one by default) inside a fresh ipykernel and relay what it prints."""
     from pathlib import Path
 
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
     try:
-        here = Path(__file__).resolve().parent
-        code = (
-            f"import os; os.chdir({str(here)!r})\n%run {Path(__file__).name} --inner "
-            + " ".join(argv)
+        here = Path(script).resolve().parent
+        code = f"import os; os.chdir({str(here)!r})\n%run {Path(script).name} --inner " + " ".join(
+            argv
         )
         reply = kc.execute_interactive(
             code, timeout=1800, output_hook=lambda m: _relay(m), allow_stdin=False

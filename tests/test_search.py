@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
+from typing import Any
 
 import pytest
 
-from memlab.panel.search import MAX_BATCH, largest_batch
+from memlab.panel.search import MAX_BATCH, largest_batch, predicted_batch
 
 
 @pytest.mark.parametrize("edge", [1, 2, 3, 7, 8, 9, 100, 1000, 24_610, MAX_BATCH - 1])
@@ -44,3 +46,76 @@ def test_nothing_fits_and_everything_fits() -> None:
 def test_a_bad_step_names_the_argument() -> None:
     with pytest.raises(ValueError, match="step must be a whole number ≥ 1, not 0"):
         largest_batch(lambda b: True, 0)
+
+
+# -- predicted_batch: the line of peak against batch, confirmed near the edge ------------------
+
+
+def predicted(peak: Any, budget: int, step: int = 1, **kw: Any) -> tuple[int, list[int]]:
+    tried: list[int] = []
+
+    def measure(batch: int) -> tuple[bool, int | None]:
+        tried.append(batch)
+        p = peak(batch)
+        return p <= budget, p
+
+    return predicted_batch(measure, budget, step, **kw), tried
+
+
+def bisected(peak: Any, budget: int, step: int = 1) -> tuple[int, list[int]]:
+    tried: list[int] = []
+    best = largest_batch(lambda b: tried.append(b) or peak(b) <= budget, step)
+    return best, tried
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_straight_line_takes_five_steps_at_most_with_the_same_answer(seed: int) -> None:
+    rng = random.Random(seed)
+    fixed, per = rng.randrange(10**8), rng.randrange(1, 10**6)
+    budget, step = rng.randrange(10**8, 10**11), rng.choice([1, 2, 8])
+    got, tried = predicted(lambda b: fixed + per * b, budget, step)
+    assert got == bisected(lambda b: fixed + per * b, budget, step)[0]
+    assert got == min(MAX_BATCH // step * step, max(0, (budget - fixed) // per // step * step))
+    assert len(tried) <= 5 and len(set(tried)) == len(tried)
+    assert all(b % step == 0 for b in tried)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_curve_costs_no_more_steps_than_halving(seed: int) -> None:
+    rng = random.Random(seed)
+    fixed, per, power = rng.randrange(10**6), rng.randrange(1, 10**4), rng.choice([0.5, 1.5, 2])
+    budget = rng.randrange(10**6, 10**10)
+
+    def peak(b: int) -> int:
+        return int(fixed + per * b**power + (b % 7) * 1000)  # bumpy, and still monotone enough
+
+    monotone = [peak(b) <= budget for b in range(1, 4000)]
+    if monotone != sorted(monotone, reverse=True):
+        pytest.skip("this draw is not monotone: no search's answer is defined")
+    got, tried = predicted(peak, budget)
+    want, halving = bisected(peak, budget)
+    assert got == want and len(tried) <= len(halving) + 2 and len(set(tried)) == len(tried)
+
+
+def test_without_peaks_it_halves_and_doubles_like_the_plain_search() -> None:
+    for edge in (1, 7, 100, 24_610):
+        tried: list[int] = []
+
+        def measure(b: int, edge: int = edge, tried: list[int] = tried) -> tuple[bool, int | None]:
+            tried.append(b)
+            return b <= edge, None  # an out-of-memory error each time: no peak to draw from
+
+        assert predicted_batch(measure, 10**9) == edge
+        assert len(tried) <= 2 * math.ceil(math.log2(edge + 1)) + 2
+
+
+def test_stop_keeps_the_largest_found_so_far_and_a_bad_step_is_named() -> None:
+    calls: list[int] = []
+    got = predicted_batch(
+        lambda b: (calls.append(b) or True, b), 10**6, stop=lambda: len(calls) >= 3
+    )
+    assert got == calls[-1] and len(calls) == 3
+    with pytest.raises(ValueError, match="step must be a whole number ≥ 1, not 0"):
+        predicted_batch(lambda b: (True, b), 10, 0)
+    assert predicted(lambda b: 100 + b, 50)[0] == 0  # not even one fits
+    assert predicted(lambda b: 0, 50)[0] == MAX_BATCH  # everything fits

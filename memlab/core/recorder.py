@@ -162,16 +162,31 @@ class Recorder:
     def _categories(
         self, used: Collection[int]
     ) -> tuple[dict[Category, int], dict[Category, int], dict[Category, int]]:
-        """Bytes per category at the peak, at the end, and the highest each reached."""
+        """Bytes per category at the peak, at the end, and the highest each reached.
+
+        Only the storages the region touched (an event, a mark, a read) are followed one by one;
+        the others kept one role throughout and are summed once, so a region's cost does not
+        grow with the number of storages alive around it."""
+        touched = set(self._serials)
+        touched.update(self._freed_role, self._marks, used)
+        marks = self._marks
         lasting: dict[int, Category | None] = {}
         size: dict[int, int] = {}
         saved: dict[int, bool] = {}
+        still: dict[Category, int] = dict.fromkeys(Category, 0)
+        activation, other = Category.ACTIVATION, Category.OTHER
         for entry in self.ledger.entries(self.device):
-            lasting[entry.serial] = stronger(entry.category, self._marks.get(entry.serial))
-            size[entry.serial] = entry.nbytes
-            saved[entry.serial] = entry.saved > 0
+            serial = entry.serial
+            if serial in touched:
+                lasting[serial] = stronger(entry.category, marks.get(serial))
+                size[serial] = entry.nbytes
+                saved[serial] = entry.saved > 0
+            else:  # untouched: it predates the region (a new one has an event), and its role
+                # is its lasting one, else activation while saved, else other
+                role_of = entry.category or (activation if entry.saved else other)
+                still[role_of] += entry.nbytes
         for serial, freed_role in self._freed_role.items():
-            lasting[serial] = stronger(freed_role, self._marks.get(serial))
+            lasting[serial] = stronger(freed_role, marks.get(serial))
             size[serial] = 0
             saved[serial] = False
         # Walk back from the end to each storage's size and saved state at the start.
@@ -227,6 +242,6 @@ class Recorder:
                     highest[now] = max(highest[now], sums[now])
 
         def nonzero(d: dict[Category, int]) -> dict[Category, int]:
-            return {c: d[c] for c in Category if d[c]}
+            return {c: d[c] + still[c] for c in Category if d[c] + still[c]}
 
         return nonzero(best), nonzero(sums), nonzero(highest)

@@ -20,7 +20,7 @@ from memlab.magic.args import (
 )
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
 from memlab.magic.history import History
-from memlab.magic.namespace import watchable
+from memlab.magic.namespace import NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
@@ -61,6 +61,7 @@ class GpumemMagics(Magics):
         self._auto: Options | None = None
         self._auto_region: track | None = None
         self._custom_exc: Any = None
+        self._watch: NamespaceWatch | None = None
 
     # -- %%gpumem / %gpumem ---------------------------------------------------------------------
     @line_cell_magic
@@ -105,7 +106,10 @@ class GpumemMagics(Magics):
         return None
 
     def _region(self, opts: Options) -> track:
-        ns, hidden = self.sh.user_ns, self.sh.user_ns_hidden
+        ns, ledger = self.sh.user_ns, default_ledger()
+        # what the watch handed out is in this ledger: a new namespace or ledger starts afresh
+        if self._watch is None or self._watch.ns is not ns or self._watch.ledger is not ledger:
+            self._watch = NamespaceWatch(ns, self.sh.user_ns_hidden, ledger)
         try:
             return track(
                 "cpu" if opts.gpu else opts.device,  # pre-flight: tracked on the CPU
@@ -114,9 +118,10 @@ class GpumemMagics(Magics):
                 reset_peak=opts.reset,
                 driver=opts.driver,
                 label=opts.label,
-                # scanned only when the region runs tensor accounting (CPU, or a breakdown)
-                watch=lambda: watchable(ns, hidden),
-                ledger=default_ledger(),
+                # scanned only when the region runs tensor accounting (CPU, or a breakdown),
+                # and then only what changed since the last scan
+                watch=self._watch,
+                ledger=ledger,
             )
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None

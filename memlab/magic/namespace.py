@@ -1,11 +1,23 @@
 """What the magics watch in the notebook's namespace: its tensors, modules and optimizers (and
-those directly inside its short lists, tuples and dicts), so that their roles are known."""
+those directly inside its short lists, tuples and dicts), so that their roles are known.
+
+The scan runs at every tracked cell, and a namespace may hold thousands of tensors (and IPython
+adds a name per input, ``_i42``). ``NamespaceWatch`` therefore looks again only at what changed:
+one pass in C over the names and the identities of their values finds the names bound or rebound
+since the last scan; only those are examined in Python. Tensors under unchanged names are not
+handed out again: their storages are already in the ledger, alive as long as the name holds them.
+Modules, optimizers, leaf tensors that require grad and the contents of containers (mutable
+without a new binding) are handed out at every scan, as before.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Container
 from typing import Any
 
+import numpy as np
 import torch
 
 _WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
@@ -23,13 +35,97 @@ def watchable(ns: dict[str, Any], hidden: Container[str] = ()) -> list[Any]:
     (``_i42``), so this runs over thousands of names: the common case costs one isinstance."""
     found: list[Any] = []
     for name, value in list(ns.items()):
-        kind = type(value)  # type(), never isinstance: a proxy's __class__ may raise
-        if kind in _SKIP:  # IPython's input history is thousands of strings
-            continue
-        if issubclass(kind, _WATCHED):
-            found.append(value)
-        elif kind in _CONTAINERS and name[:1] != "_" and name not in hidden:
-            items = value.values() if kind is dict else value
-            if len(items) <= MAX_SCAN:
-                found.extend(v for v in items if issubclass(type(v), _WATCHED))
+        _examine(name, value, hidden, found)
     return found
+
+
+def _examine(name: Any, value: Any, hidden: Container[str], found: list[Any]) -> bool:
+    """Adds what ``value`` (bound to ``name``) holds to ``found``; True for a scanned container."""
+    kind = type(value)  # type(), never isinstance: a proxy's __class__ may raise
+    if kind in _SKIP:  # IPython's input history is thousands of strings
+        return False
+    if issubclass(kind, _WATCHED):
+        found.append(value)
+    elif kind in _CONTAINERS and str(name)[:1] != "_" and name not in hidden:
+        items = value.values() if kind is dict else value
+        if len(items) <= MAX_SCAN:
+            found.extend(v for v in items if issubclass(type(v), _WATCHED))
+            return True
+    return False
+
+
+def _lasting(value: Any) -> bool:
+    """Worth handing out at every scan: its roles can change without a new binding."""
+    kind = type(value)
+    if issubclass(kind, torch.Tensor):
+        try:
+            return bool(value.requires_grad and value.is_leaf)
+        except Exception:  # a hostile subclass: hand it out every time, as the full scan did
+            return True
+    return True  # modules and optimizers
+
+
+class NamespaceWatch:
+    """``watchable`` for one namespace, scanning only what changed since the last call.
+
+    Each call returns the objects under names bound or rebound since the previous call, plus
+    every module, optimizer and grad-requiring leaf tensor, plus the contents of the short
+    containers. A name rebound to a new object that happens to reuse the old one's address
+    between two calls is not seen as changed; its tensor is counted when a region uses it.
+    """
+
+    def __init__(self, ns: dict[str, Any], hidden: Container[str] = (), ledger: Any = None) -> None:
+        self.ns = ns
+        self.hidden = hidden
+        #: The ledger the handed-out tensors were registered in (the caller's key, unused here).
+        self.ledger = ledger
+        self._keys: list[Any] = []
+        self._ids: np.ndarray[Any, Any] = np.zeros(0, dtype=np.uint64)
+        #: Per name: what is handed out at every call (modules, leaves, container contents).
+        self._lasting: dict[Any, list[weakref.ref[Any]]] = {}
+        self._containers: set[Any] = set()
+
+    def __call__(self) -> list[Any]:
+        ns = self.ns
+        changed = self._changed(ns)
+        fresh: list[Any] = []
+        for name in changed:
+            self._lasting.pop(name, None)
+            self._containers.discard(name)
+            if name not in ns:
+                continue
+            found: list[Any] = []
+            if _examine(name, ns[name], self.hidden, found):
+                self._containers.add(name)
+                continue  # rescanned below, as at every call
+            for v in found:
+                fresh.append(v)
+                if _lasting(v):
+                    self._keep(name, v)
+        for name in self._containers:
+            _examine(name, ns.get(name), self.hidden, fresh)
+        for name, refs in self._lasting.items():
+            if name not in changed:
+                fresh.extend(v for v in (r() for r in refs) if v is not None)
+        return fresh
+
+    def _changed(self, ns: dict[Any, Any]) -> set[Any]:
+        """Names bound, rebound or deleted since the last call. The common case (names only
+        added or rebound) compares the values' identities as one array, in C."""
+        keys = list(ns)
+        ids = np.fromiter(map(id, ns.values()), dtype=np.uint64, count=len(keys))
+        old_keys, old_ids = self._keys, self._ids
+        self._keys, self._ids = keys, ids
+        m = len(old_keys)
+        if len(keys) >= m and keys[:m] == old_keys:
+            moved = np.flatnonzero(ids[:m] != old_ids).tolist()
+            return {keys[i] for i in moved}.union(keys[m:])
+        old = dict(zip(old_keys, old_ids.tolist(), strict=True))
+        now = dict(zip(keys, ids.tolist(), strict=True))
+        return {k for k, _ in now.items() - old.items()} | (old.keys() - now.keys())
+
+    def _keep(self, name: Any, value: Any) -> None:
+        # held weakly: the watch keeps nothing alive; a value that cannot be weakly referred to
+        # is seen when bound, and when a region uses it
+        with contextlib.suppress(TypeError):
+            self._lasting.setdefault(name, []).append(weakref.ref(value))

@@ -19,7 +19,7 @@ from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.limit import MUTED, BudgetLimit
-from memlab.panel.search import MAX_BATCH, largest_batch
+from memlab.panel.search import MAX_BATCH, predicted_batch
 from memlab.panel.views import bars, png, runs_table
 from memlab.panel.work import Work
 from memlab.reports.frame import GROW
@@ -114,14 +114,18 @@ class Explorer(BudgetLimit):
         GPU"), add it to the comparison, and redraw."""
         result = self._attempt(lambda: self._step(self.config))
         if result is not None:
-            self.results.append(result)
-            done = f"ran {result.config.describe()}"
-            if result.predicted_for:
-                done = f"predicted {result.config.describe()} on {result.predicted_for}"
-            self._progress(f"drawing {result.config.describe()}")
-            self._redraw()  # the charts first: "ran" means everything is there
-            self._say(result.error or done, bool(result.oom))
+            self._add(result)
         return result
+
+    def _add(self, result: RunResult) -> None:
+        """A run joins the comparison, and the charts are redrawn."""
+        self.results.append(result)
+        done = f"ran {result.config.describe()}"
+        if result.predicted_for:
+            done = f"predicted {result.config.describe()} on {result.predicted_for}"
+        self._progress(f"drawing {result.config.describe()}")
+        self._redraw()  # the charts first: "ran" means everything is there
+        self._say(result.error or done, bool(result.oom))
 
     @property
     def card(self) -> GPU | None:
@@ -155,9 +159,10 @@ class Explorer(BudgetLimit):
 
     def largest_batch(self) -> int | None:
         """The largest batch size whose step fits the budget (or the simulated GPU's memory, or
-        this GPU's free memory), found by doubling and then halving the interval; out-of-memory
-        runs are expected along the way. Cancel (when started by the button) keeps the largest
-        batch found so far."""
+        this GPU's free memory). Two small batches draw the line of peak against batch; the batch
+        where it meets the budget is tried, then the next one, so a few steps near the edge
+        confirm it (``search.predicted_batch``); out-of-memory runs are expected along the way.
+        Cancel (when started by the button) keeps the largest batch found so far."""
         config = self._attempt(lambda: self.config)
         if config is None:
             return None
@@ -173,12 +178,15 @@ class Explorer(BudgetLimit):
                 self._say("set a budget (MiB) first: the search needs a limit to fit under", True)
                 return None
             config = config.with_(budget=found[0])
-        step = config.accumulation
+        step, limit_bytes = config.accumulation, config.budget
+        assert limit_bytes is not None  # set above, or the search returned
+        done: dict[int, RunResult] = {}
 
-        def fits(batch: int) -> bool:
+        def measure(batch: int) -> tuple[bool, int | None]:
             # the same step as a run, warm-up included: with the optimizer's state already in
             # place, a step peaks higher than the very first one
-            return not self._step(config.with_(batch_size=batch)).oom
+            done[batch] = self._step(config.with_(batch_size=batch))
+            return _fit_and_peak(done[batch])
 
         budget = fmt_bytes(config.budget)
 
@@ -189,7 +197,9 @@ class Explorer(BudgetLimit):
             self._progress(f"largest batch under {budget}: trying {batch:,} ({known})")
 
         stop = lambda: self._work.cancelled  # noqa: E731
-        best = self._attempt(lambda: largest_batch(fits, step, on_try=trying, stop=stop))
+        best = self._attempt(
+            lambda: predicted_batch(measure, limit_bytes, step, on_try=trying, stop=stop)
+        )
         if best is None:
             return None
         cancelled = " (cancelled: the largest found so far)" if self._work.cancelled else ""
@@ -198,7 +208,10 @@ class Explorer(BudgetLimit):
             return 0
         if not self._work.cancelled:  # a cancelled search leaves the batch size as it was
             self.batch_size.value = best
-            self.run()
+            if done[best].config == self._attempt(lambda: self.config):
+                self._add(done[best])  # the search ran this very step: no need to run it again
+            else:
+                self.run()
         limit = f" (the search stops at {MAX_BATCH:,})" if best * 2 > MAX_BATCH else ""
         self._say(f"largest batch that fits in {budget}: {best:,}{limit}{cancelled}")
         return best
@@ -257,6 +270,16 @@ class Explorer(BudgetLimit):
         self.timeline.value = png(latest.plot()) if timeline and latest else b""
         for image in (self.chart, self.timeline):  # no broken-image icon where nothing is drawn
             image.layout.display = "" if image.value else "none"
+
+
+def _fit_and_peak(result: RunResult) -> tuple[bool, int | None]:
+    """Whether a step fitted, and the peak its fit was judged by: peak reserved for a predicted
+    step, peak allocated for a measured one. None after an out-of-memory error, real or
+    predicted: the report stops where the memory ran out."""
+    report, error = result.report, result.error or ""
+    if report is None or (result.oom and not error.startswith(("the peak", "predicted peak"))):
+        return not result.oom, None
+    return not result.oom, report.peak_reserved if result.predicted_for else report.peak_allocated
 
 
 def _device_limit(config: RunConfig) -> int | None:

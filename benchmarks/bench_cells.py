@@ -1,0 +1,87 @@
+"""Per-cell cost of %%gpumem beside %%time, on a trivial cell and with a big namespace.
+
+Each cell runs in a real Jupyter kernel (ipykernel, started by this script). The modes run round
+robin (bare, %%time, %%gpumem -q, %%gpumem -q -b), a few cells of each per round, so that a busy
+machine slows them alike; the figure is the median per mode and the overhead its difference from
+the bare cell. Then 10,000 tensors are put in the namespace and the same is measured again.
+Targets (issue 23): -q ≤ +0.5 ms on a trivial cell; with 10,000 tensors -q ≤ +1 ms, -b ≤ +3 ms.
+    python benchmarks/bench_cells.py [--rounds 60] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench_magic import in_kernel
+from common import emit, header
+from IPython.core.interactiveshell import InteractiveShell
+
+MODES = {
+    "bare": "",
+    "%%time": "%%time\n",
+    "%%gpumem -q": "%%gpumem -q\n",
+    "%%gpumem -q -b": "%%gpumem -q -b\n",
+}
+TARGETS = {"`a = 1`": (0.5, None), "`a = 1`, 10,000 tensors in the namespace": (1.0, 3.0)}
+
+
+def round_robin(shell: Any, cell: str, rounds: int, per: int = 5) -> dict[str, float]:
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(rounds + 1):
+        for mode, prefix in MODES.items():
+            for _ in range(per):
+                t0 = time.perf_counter()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    shell.run_cell(prefix + cell, store_history=True)
+                if r:  # the first round warms up
+                    times[mode].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--out")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not args.inner:
+        in_kernel([a for a in sys.argv[1:]], script=__file__)
+        return
+    shell = InteractiveShell.instance()
+    shell.run_cell("import torch")
+    if "memlab" not in shell.extension_manager.loaded:
+        shell.run_line_magic("load_ext", "memlab")
+    rows = {"`a = 1`": round_robin(shell, "a = 1", args.rounds)}
+    shell.run_cell("for _k in range(10_000): globals()[f't{_k}'] = torch.zeros(4)\ndel _k")
+    rows["`a = 1`, 10,000 tensors in the namespace"] = round_robin(shell, "a = 1", args.rounds)
+
+    lines = header("%%gpumem per-cell cost beside %%time (cpu)")
+    lines += [
+        "Median wall time of `run_cell` inside a real ipykernel, the modes interleaved round robin "
+        f"({args.rounds} rounds of 5 cells each); in brackets the difference from the bare cell.",
+        "",
+        "| cell | " + " | ".join(MODES) + " | target (-q / -b) |",
+        "| --- |" + " ---: |" * len(MODES) + " --- |",
+    ]
+    for name, row in rows.items():
+        bare = row["bare"]
+        txt = [f"{bare * 1e3:.2f} ms"] + [
+            f"{row[m] * 1e3:.2f} ms (+{(row[m] - bare) * 1e3:.2f})" for m in list(MODES)[1:]
+        ]
+        q, b = TARGETS[name]
+        verdict = [f"+{q} ms " + ("met" if (row["%%gpumem -q"] - bare) * 1e3 <= q else "missed")]
+        if b is not None:
+            ok = (row["%%gpumem -q -b"] - bare) * 1e3 <= b
+            verdict.append(f"+{b} ms " + ("met" if ok else "missed"))
+        lines.append(f"| {name} | " + " | ".join(txt) + " | " + " / ".join(verdict) + " |")
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

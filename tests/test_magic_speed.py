@@ -1,0 +1,83 @@
+"""Per-cell cost: the magic looks again only at the namespace's names that changed, and a
+breakdown sums the storages a cell never touched once, without changing a figure.
+Timings: benchmarks/bench_cells.py."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+
+from memlab.core.categories import Category
+from memlab.magic.namespace import NamespaceWatch, watchable
+
+
+@pytest.fixture(autouse=True)
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memlab.core import devices
+
+    monkeypatch.setattr(devices, "_cuda_count", lambda: 0)
+
+
+def before(ip: Any) -> int:
+    run(ip, "%%gpumem -q -o _r\na = 1")
+    return int(ip.user_ns["_r"].allocated_before)
+
+
+def test_tensors_made_in_untracked_cells_count_before_the_next_tracked_cell(ip: Any) -> None:
+    run(ip, "x = torch.zeros(1000)")
+    assert before(ip) == 4000
+    run(ip, "y = torch.zeros(500, dtype=torch.float64)")
+    assert before(ip) == 4000 + 4000
+    run(ip, "x = torch.zeros(10)")  # rebound: the old x is gone, the new one is seen
+    assert before(ip) == 40 + 4000
+    run(ip, "del y\nbox = [torch.zeros(3)]")
+    assert before(ip) == 40 + 12
+    run(ip, "box.append(torch.zeros(5))")  # a list changes without a new binding
+    assert before(ip) == 40 + 12 + 20
+
+
+def test_the_watch_hands_out_what_changed_and_what_can_change_unbound() -> None:
+    model, plain, leaf = torch.nn.Linear(2, 2), torch.zeros(3), torch.ones(2, requires_grad=True)
+    ns: dict[str, Any] = {"model": model, "plain": plain, "leaf": leaf, "n": 1, "box": [plain]}
+    watch = NamespaceWatch(ns)
+    first = watch()
+    assert {id(o) for o in first} == {id(o) for o in watchable(ns)}
+    again = watch()  # nothing rebound: the module, the leaf and the list's contents only
+    assert sorted(map(id, again)) == sorted(map(id, [model, leaf, plain]))
+    ns.pop("box")
+    assert sorted(map(id, watch())) == sorted(map(id, [model, leaf]))
+    fresh = torch.zeros(4)
+    ns["plain"] = fresh
+    assert sorted(map(id, watch())) == sorted(map(id, [model, leaf, fresh]))
+    ns["plain"] = 3  # rebound to something not watched, then deleted
+    del ns["leaf"]
+    assert [id(o) for o in watch()] == [id(model)]
+
+
+def test_the_watch_keeps_nothing_alive() -> None:
+    ns: dict[str, Any] = {"m": torch.nn.Linear(3, 3), "w": torch.ones(2, requires_grad=True)}
+    watch = NamespaceWatch(ns)
+    assert len(watch()) == 2
+    refs = [weakref.ref(ns.pop("m")), weakref.ref(ns.pop("w"))]
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert watch() == []
+
+
+def test_a_breakdown_counts_the_storages_a_cell_never_touched(ip: Any) -> None:
+    run(ip, "many = {}\nfor i in range(300): globals()[f'_t{i}'] = torch.zeros(100)")
+    run(ip, "lin = torch.nn.Linear(10, 10)\nlin(torch.ones(1, 10)).sum().backward()")
+    run(ip, "%%gpumem -q -b -o r\nz = torch.ones(25)")
+    r = ip.user_ns["r"]
+    assert r.allocated_before == 300 * 400 + (400 + 40) * 2
+    at_end = r.breakdown.at_end
+    assert at_end[Category.PARAMETER] == 400 + 40
+    assert at_end[Category.GRADIENT] == 400 + 40
+    assert at_end[Category.OTHER] == 300 * 400 + 100  # the names untouched, and z
+    assert r.breakdown.at_peak == at_end and r.breakdown.highest == at_end
+    assert sum(at_end.values()) == r.allocated_after
