@@ -61,7 +61,10 @@ def test_the_kv_cache_holds_the_formula_s_bytes(build: Any) -> None:
     assert "generate 8 tokens" in result.title
     per_token = kv_cache_bytes(config, 1, 1, torch.float32)
     note = next(n for n in report.notes if n.startswith("KV cache:"))
-    assert f"{per_token:,} B per token (formula: 2 x {layers} layers x {heads} KV heads" in note
+    formula = (
+        f"(formula: {layers} layers x {heads} KV heads x {head_dim} x 2 x 4 B = {per_token:,} B)"
+    )
+    assert f"{per_token:,} B per token {formula}" in note
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2-mha", "llama-gqa"])
@@ -147,3 +150,17 @@ def test_the_panel_offers_generation_with_its_number_of_tokens() -> None:
     config = llama().config
     want = kv_cache_bytes(config, PROMPT + 5, BATCH, torch.float32)
     assert result.report.breakdown.at_end[Category.KV_CACHE] == want
+
+
+def test_under_autocast_the_note_counts_float32_keys_and_16_bit_values() -> None:
+    # Llama's rotary embedding is computed in float32 and multiplies the keys: they leave the
+    # projection in bfloat16 and enter the cache in float32; the values stay in bfloat16
+    config = GENERATE.with_(device="cpu", amp="bf16")
+    report = run(llama, prompt, None, config).report
+    assert report is not None and report.breakdown is not None
+    c = llama().config
+    layers, heads, head_dim = c.num_hidden_layers, c.num_key_value_heads, 64 // 4
+    per_token = layers * heads * head_dim * (4 + 2)
+    assert report.breakdown.at_end[Category.KV_CACHE] == per_token * (PROMPT + NEW) * BATCH
+    note = next(n for n in report.notes if n.startswith("KV cache:"))
+    assert f"(4 B keys + 2 B values) = {per_token:,} B)" in note

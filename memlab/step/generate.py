@@ -155,13 +155,18 @@ def kv_cache_bytes(model_config: Any, tokens: int, batch: int, dtype: torch.dtyp
     """Bytes of a full key/value cache: 2 (keys and values) x layers x key/value heads x head
     size x ``tokens`` x ``batch`` x the dtype's size, from a Hugging Face model config (grouped-
     query attention: ``num_key_value_heads`` below ``num_attention_heads``)."""
-    c = model_config
+    layers, kv_heads, head_dim = cache_shape(model_config)
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * head_dim * tokens * batch * size
+
+
+def cache_shape(c: Any) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) from a Hugging Face model config."""
     layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(c, "num_attention_heads", "n_head")
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or _first(c, "hidden_size", "n_embd") // heads
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * kv_heads * head_dim * tokens * batch * size
+    return layers, kv_heads, head_dim
 
 
 def _first(config: Any, *names: str) -> int:
@@ -174,7 +179,8 @@ def _first(config: Any, *names: str) -> int:
 
 def cache_note(model: Any, config: RunConfig, kept: list[Any]) -> str:
     """What the finished cache holds per token, beside the formula where the model's config
-    gives its shape (a Hugging Face model)."""
+    gives its shape (a Hugging Face model). Keys and values may differ in type: under autocast,
+    rotary embeddings leave the keys in float32 and the values in 16 bits."""
     tensors = cache_tensors(kept[-1]) if kept else []
     held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
     # keys and values: (batch, heads, tokens, head size); a plain cache: (batch, tokens, width)
@@ -186,18 +192,14 @@ def cache_note(model: Any, config: RunConfig, kept: list[Any]) -> str:
         f"KV cache: {held:,} B for {tokens} tokens x {config.batch_size} sequences, "
         f"{per_token:,} B per token"
     )
-    shape = getattr(model, "config", None)
     try:
-        formula = kv_cache_bytes(shape, 1, 1, tensors[0].dtype)
+        layers, kv_heads, head_dim = cache_shape(getattr(model, "config", None))
     except WhatIfError:
         return text
-    c = shape
-    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(c, "num_attention_heads", "n_head")
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    size = tensors[0].element_size()
-    head_dim = formula // (2 * layers * kv_heads * size)
+    k, v = tensors[0].element_size(), tensors[min(1, len(tensors) - 1)].element_size()
+    sizes = f"2 x {k} B" if k == v else f"({k} B keys + {v} B values)"
+    formula = layers * kv_heads * head_dim * (k + v)
     return (
-        f"{text} (formula: 2 x {layers} layers x {kv_heads} KV heads x {head_dim} x {size} B "
+        f"{text} (formula: {layers} layers x {kv_heads} KV heads x {head_dim} x {sizes} "
         f"= {formula:,} B)"
     )
