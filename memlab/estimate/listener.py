@@ -36,7 +36,7 @@ class AllocatorListener:
         #: perf_counter time of each entry of ``trace``, and when the measured step ended.
         self.stamps: list[float] = []
         self._when: float | None = None
-        self.ended = 0.0
+        self.started = self.ended = 0.0
         self.sizes: dict[int, int] = {}
         #: The allocations of a size chosen at run time, in order (`memlab.estimate.spread`).
         self.spreads: list[Spread] = []
@@ -48,10 +48,13 @@ class AllocatorListener:
         self.side_trace: list[tuple[int, int, int, int]] = []
 
     def measuring(self, moment: str) -> None:
-        """The step's ``on_measure``: where the measured step starts ("start") and ends."""
+        """The step's ``on_measure``: where the measured step starts ("start"), when its region's
+        clock starts ("opened": its timeline's zero) and where it ends ("end")."""
         if moment == "start":
             self.measured_from = len(self.trace)
             self.events_from = len(self.events)
+        elif moment == "opened":  # the measured region's time zero
+            self.started = time.perf_counter()
         else:
             self.measured_to = len(self.trace)
             self.events_to = len(self.events)

@@ -118,7 +118,8 @@ def estimate(
     assumed: list[str] = []  # what library value checks took for granted on meta
 
     def measuring(moment: str) -> None:
-        ledger.settle()  # the frees so far belong before the mark
+        if moment != "opened":  # inside the region, nothing to settle
+            ledger.settle()  # the frees so far belong before the mark
         listener.measuring(moment)
 
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
@@ -266,7 +267,9 @@ def _predicted_timeline(
     accounted = tensors.timeline
     if accounted is None or not len(accounted) or end is None or end <= start:
         return None
-    origin = replay.ended - tensors.seconds  # when the measured region started
+    # when the measured region started (its clock's zero): taken at the start, not worked back
+    # from the end, where the work after the region (a busy machine's pauses) would shift it
+    origin = replay.started
     seconds = [max(0.0, s - origin) for s in replay.stamps[start:end]]
     values = [a for a, _ in replay.trace[start:end]]
 

@@ -51,7 +51,8 @@ class StepHooks:
     autocast: makes the AMP context for a dtype (None: ``torch.autocast`` on the run's device).
     foreach: the optimizer's ``foreach`` option (None: PyTorch's default for the device).
     grad_scaler: whether fp16 training uses a gradient scaler.
-    on_measure: called with "start" just before the measured step and "end" just after.
+    on_measure: called with "start" just before the measured step's region, "opened" as its
+        clock starts, and "end" just after it.
     """
 
     autocast: Autocast | None = None
@@ -145,6 +146,8 @@ def run(
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
+                if hooks.on_measure is not None:
+                    hooks.on_measure("opened")  # the region's clock has started
                 kept, series = step(functools.partial(_mark, region))
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept))
