@@ -333,3 +333,16 @@ def test_a_state_with_a_fitting_free_block_says_the_cache_has_changed() -> None:
     segments = [{"total_size": 20 * MiB, "blocks": [{"size": 20 * MiB, "state": "inactive"}]}]
     e = explain(where="cuda:0", requested=20 * MiB, capacity=20 * MiB, segments=segments)
     assert e.cause.startswith("none in this state") and not e.fragmented
+
+
+def test_a_long_cell_leaves_the_levers_out_and_says_so(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memlab.estimate import preflight
+
+    monkeypatch.setattr(preflight, "MAX_LEVER_EVENTS", 10)
+    cell = "%%gpumem --gpu 1GiB -q -o pf\nxs = [torch.empty(2**20) for _ in range(140)]\n"
+    assert run(ip, cell).success
+    oom = ip.user_ns["pf"].oom
+    assert oom is not None and oom.levers == () and oom.line == 2
+    assert any("levers left out: the cell made" in n for n in oom.notes)

@@ -24,11 +24,14 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.oom import explain, replay_peak, stream_levers
-from memlab.reports.oom import LiveTensor, Preflight
+from memlab.reports.oom import Lever, LiveTensor, Preflight
 from memlab.reports.units import fmt_bytes
 
 #: Containers longer than this are not looked into for variable names.
 MAX_SCAN = 1000
+#: The levers replay the cell's stream a few times each; beyond this many events they are left
+#: out (and the explanation says so), to keep the answer within seconds.
+MAX_LEVER_EVENTS = 300_000
 
 
 @dataclass
@@ -211,7 +214,18 @@ class Flight:
         probe = explain(
             where="", requested=found.requested, capacity=self.card.usable, segments=found.segments
         )
-        levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+        levers: list[Lever] = []
+        how = (
+            "levers are predicted by replaying this cell's allocations, changed as each lever "
+            "would change them, through the allocator model"
+        )
+        if len(self.stream) <= MAX_LEVER_EVENTS:
+            levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+        else:  # each lever replays the stream: ~1 s per 100,000 events
+            how = (
+                f"levers left out: the cell made {len(self.stream):,} allocations and frees, "
+                f"more than the {MAX_LEVER_EVENTS:,} replayed for them; pre-flight one step"
+            )
         return explain(
             where=f"predicted {_label(self.card)}",
             requested=found.requested,
@@ -224,8 +238,7 @@ class Flight:
             notes=(
                 f"usable: {_label(self.card)} less {self.card.context // 2**20} MiB for the "
                 "CUDA context; cuBLAS workspaces and CUDA-only buffers not included",
-                "levers are predicted by replaying this cell's allocations, changed as each "
-                "lever would change them, through the allocator model",
+                how,
             ),
         )
 
