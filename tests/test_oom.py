@@ -346,3 +346,10 @@ def test_a_long_cell_leaves_the_levers_out_and_says_so(
     oom = ip.user_ns["pf"].oom
     assert oom is not None and oom.levers == () and oom.line == 2
     assert any("levers left out: the cell made" in n for n in oom.notes)
+
+
+def test_a_cell_that_raises_gets_a_verdict_up_to_there(ip: Any) -> None:
+    r = run(ip, "%%gpumem --gpu T4 -o pf\nx = torch.empty(2**20)\nraise KeyboardInterrupt")
+    assert isinstance(r.error_in_exec, KeyboardInterrupt)
+    assert ip.user_ns["pf"].raised == "KeyboardInterrupt"
+    assert "fits up to where it raised KeyboardInterrupt" in _preflight_text(ip)

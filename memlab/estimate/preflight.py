@@ -11,6 +11,7 @@ the explanation is built when the cell ends, once every storage's role is known.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import linecache
 from collections.abc import Container
@@ -83,9 +84,10 @@ class Flight:
                 self.on_discovered(e.serial, e.nbytes)
             self.ledger.attach(self)
 
-    def stop(self) -> Preflight:
+    def stop(self, raised: str | None = None) -> Preflight:
+        """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end."""
         self.ledger.detach(self)
-        return self.result()
+        return dataclasses.replace(self.result(), raised=raised)
 
     # -- ledger callbacks ------------------------------------------------------------------------
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
