@@ -353,3 +353,22 @@ def test_a_cell_that_raises_gets_a_verdict_up_to_there(ip: Any) -> None:
     assert isinstance(r.error_in_exec, KeyboardInterrupt)
     assert ip.user_ns["pf"].raised == "KeyboardInterrupt"
     assert "fits up to where it raised KeyboardInterrupt" in _preflight_text(ip)
+
+
+def test_code_written_for_cuda_runs_on_the_cpu_under_pre_flight(ip: Any) -> None:
+    cell = (
+        "%%gpumem --gpu 1GiB -q -o pf\n"
+        "a = torch.empty(100 * 2**20 // 4, device='cuda')\n"
+        "b = torch.empty(100 * 2**20 // 4).cuda()\n"
+        "c = torch.empty(400 * 2**20 // 4).to('cuda')\n"
+    )
+    assert run(ip, cell).success
+    assert {ip.user_ns[n].device.type for n in "abc"} == {"cpu"}
+    assert ip.user_ns["pf"].oom.line == 4 and dict(ip.user_ns["pf"].oom.by_name) == {
+        "a": 100 * MiB,
+        "b": 100 * MiB,
+    }
+    # the redirection ended with the cell
+    assert torch.empty(1, device="meta").device.type == "meta"
+    assert run(ip, "%%gpumem --gpu T4 -q\nraise ValueError('x')").error_in_exec is not None
+    assert torch.empty(1, device="meta").device.type == "meta"

@@ -11,6 +11,7 @@ the explanation is built when the cell ends, once every storage's role is known.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import linecache
@@ -25,6 +26,7 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.oom import explain, replay_peak, stream_levers
+from memlab.estimate.redirect import redirected
 from memlab.reports.oom import Lever, LiveTensor, Preflight
 from memlab.reports.units import fmt_bytes
 
@@ -70,10 +72,12 @@ class Flight:
         self.before: set[int] = set()
         self.freed: set[int] = set()
         self.failure: _Failure | None = None
+        self._modes = contextlib.ExitStack()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, filename: str) -> None:
-        """Attach; ``filename``: the cell's, whose lines stamp the allocations."""
+        """Attach; ``filename``: the cell's, whose lines stamp the allocations. Until `stop`,
+        code written for CUDA (``.cuda()``, ``device="cuda"``) runs on the CPU."""
         self.filename = filename
         with self.ledger._lock:
             for e in self.ledger.entries(self.device):
@@ -83,10 +87,14 @@ class Flight:
                     self.saved.add(e.serial)
                 self.on_discovered(e.serial, e.nbytes)
             self.ledger.attach(self)
+        self._modes.enter_context(redirected(self.device))
 
     def stop(self, raised: str | None = None) -> Preflight:
         """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end."""
-        self.ledger.detach(self)
+        try:
+            self.ledger.detach(self)
+        finally:
+            self._modes.close()
         return dataclasses.replace(self.result(), raised=raised)
 
     # -- ledger callbacks ------------------------------------------------------------------------
