@@ -278,3 +278,97 @@ def _figure(text: str, label: str) -> str:
     m = re.search(rf"\n  {re.escape(label)} +(\S+ \S+)", text)
     assert m is not None, f"{label} not in {text}"
     return m.group(1)
+
+
+# -- a what-if run ---------------------------------------------------------------------------------
+def test_a_what_if_run_that_runs_out_of_memory_explains_itself_with_the_config_levers() -> None:
+    """The measured step raises PyTorch's error (no GPU here); the cache is a real H100's
+    (recorded); the levers are the estimator's predictions of the changed configurations."""
+    from torch import nn
+
+    from memlab.estimate import estimate
+    from memlab.estimate.levers import run_levers
+    from memlab.step import RunConfig, StepHooks, run
+
+    snap = read(DATA / "trace-mlp-sgd.json.gz")
+    state = (snap["segments"], snap["stats"]["final_reserved"])  # nothing left to reserve
+
+    def model_fn() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def input_fn(batch: int) -> torch.Tensor:
+        return torch.randn(batch, 64)
+
+    calls = []
+
+    def step_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if batch.device.type == "cpu":  # the estimator's predictions run on meta
+            calls.append(batch.shape[0])
+            if len(calls) == 2:  # the measured step, after the warm-up
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 MiB.")
+        return model(batch).square().mean()
+
+    hooks = StepHooks(on_oom=run_levers(model_fn, input_fn, step_fn=step_fn, gpu="T4", state=state))
+    config = RunConfig(device="cpu", batch_size=64, optimizer="sgd")
+    r = run(model_fn, input_fn, config=config, step_fn=step_fn, hooks=hooks)
+    assert r.oom and r.explanation is not None and "Tried to allocate 40.00 MiB" in str(r.error)
+    e = r.explanation
+    assert e.allocated == snap["stats"]["final_allocated"]
+    assert e.reserved == snap["stats"]["final_reserved"] and e.requested == 40 * MiB
+    assert e.cause.startswith("fragmentation")  # 40 MiB free in 20 MiB pieces, none to reserve
+    levers = {lv.name: lv for lv in e.levers}
+    assert {"AMP (bf16)", "accumulate 2", "batch 32"} <= set(levers)
+    for name, changed in (
+        ("AMP (bf16)", config.with_(amp="bf16")),
+        ("batch 32", config.with_(batch_size=32)),
+    ):
+        truth = estimate(model_fn, input_fn, None, changed, step_fn=step_fn, gpu="T4")
+        assert levers[name].peak_reserved == truth.peak_reserved and levers[name].fits
+    assert "out of memory on cpu: 40.0 MiB requested" in str(r)
+    assert r._repr_html_().count("font-family") == 1  # the explanation inside the run's frame
+    assert r.to_dict()["explanation"]["levers"][0]["name"] == e.levers[0].name
+
+
+def test_a_state_with_a_fitting_free_block_says_the_cache_has_changed() -> None:
+    segments = [{"total_size": 20 * MiB, "blocks": [{"size": 20 * MiB, "state": "inactive"}]}]
+    e = explain(where="cuda:0", requested=20 * MiB, capacity=20 * MiB, segments=segments)
+    assert e.cause.startswith("none in this state") and not e.fragmented
+
+
+def test_a_long_cell_leaves_the_levers_out_and_says_so(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memlab.estimate import preflight
+
+    monkeypatch.setattr(preflight, "MAX_LEVER_EVENTS", 10)
+    cell = "%%gpumem --gpu 1GiB -q -o pf\nxs = [torch.empty(2**20) for _ in range(140)]\n"
+    assert run(ip, cell).success
+    oom = ip.user_ns["pf"].oom
+    assert oom is not None and oom.levers == () and oom.line == 2
+    assert any("levers left out: the cell made" in n for n in oom.notes)
+
+
+def test_a_cell_that_raises_gets_a_verdict_up_to_there(ip: Any) -> None:
+    r = run(ip, "%%gpumem --gpu T4 -o pf\nx = torch.empty(2**20)\nraise KeyboardInterrupt")
+    assert isinstance(r.error_in_exec, KeyboardInterrupt)
+    assert ip.user_ns["pf"].raised == "KeyboardInterrupt"
+    assert "fits up to where it raised KeyboardInterrupt" in _preflight_text(ip)
+
+
+def test_code_written_for_cuda_runs_on_the_cpu_under_pre_flight(ip: Any) -> None:
+    cell = (
+        "%%gpumem --gpu 1GiB -q -o pf\n"
+        "a = torch.empty(100 * 2**20 // 4, device='cuda')\n"
+        "b = torch.empty(100 * 2**20 // 4).cuda()\n"
+        "c = torch.empty(400 * 2**20 // 4).to('cuda')\n"
+    )
+    assert run(ip, cell).success
+    assert {ip.user_ns[n].device.type for n in "abc"} == {"cpu"}
+    assert ip.user_ns["pf"].oom.line == 4 and dict(ip.user_ns["pf"].oom.by_name) == {
+        "a": 100 * MiB,
+        "b": 100 * MiB,
+    }
+    # the redirection ended with the cell
+    assert torch.empty(1, device="meta").device.type == "meta"
+    assert run(ip, "%%gpumem --gpu T4 -q\nraise ValueError('x')").error_in_exec is not None
+    assert torch.empty(1, device="meta").device.type == "meta"

@@ -167,6 +167,8 @@ def oom(label: str = "x") -> OOMExplanation:
         source="y = net(x)",
         notes=("one note",),
     )
+
+
 def rank_table() -> RankTable:
     def row(rank: int, gathered: int) -> RankRow:
         at_peak = {

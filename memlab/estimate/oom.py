@@ -61,6 +61,12 @@ def cause_of(
     if capacity is not None and segment_size(round_size(requested)) > capacity:
         return (f"the request alone is larger than the {fmt_bytes(capacity)} usable", False)
     outside = None if capacity is None else max(0, capacity - reserved)
+    if largest >= requested:
+        return (
+            f"none in this state: its largest free block ({fmt_bytes(largest)}) would do, so the "
+            "cache has changed since the failure (memory freed since, or another stream's)",
+            False,
+        )
     if free >= requested > largest:
         return (
             f"fragmentation: {fmt_bytes(free)} is free in the {pool} pool's cache but in pieces, "

@@ -11,6 +11,8 @@ the explanation is built when the cell ends, once every storage's role is known.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import linecache
 from collections.abc import Container
@@ -24,11 +26,15 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
 from memlab.estimate.oom import explain, replay_peak, stream_levers
-from memlab.reports.oom import LiveTensor, Preflight
+from memlab.estimate.redirect import redirected
+from memlab.reports.oom import Lever, LiveTensor, Preflight
 from memlab.reports.units import fmt_bytes
 
 #: Containers longer than this are not looked into for variable names.
 MAX_SCAN = 1000
+#: The levers replay the cell's stream a few times each; beyond this many events they are left
+#: out (and the explanation says so), to keep the answer within seconds.
+MAX_LEVER_EVENTS = 300_000
 
 
 @dataclass
@@ -66,10 +72,12 @@ class Flight:
         self.before: set[int] = set()
         self.freed: set[int] = set()
         self.failure: _Failure | None = None
+        self._modes = contextlib.ExitStack()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, filename: str) -> None:
-        """Attach; ``filename``: the cell's, whose lines stamp the allocations."""
+        """Attach; ``filename``: the cell's, whose lines stamp the allocations. Until `stop`,
+        code written for CUDA (``.cuda()``, ``device="cuda"``) runs on the CPU."""
         self.filename = filename
         with self.ledger._lock:
             for e in self.ledger.entries(self.device):
@@ -79,10 +87,15 @@ class Flight:
                     self.saved.add(e.serial)
                 self.on_discovered(e.serial, e.nbytes)
             self.ledger.attach(self)
+        self._modes.enter_context(redirected(self.device))
 
-    def stop(self) -> Preflight:
-        self.ledger.detach(self)
-        return self.result()
+    def stop(self, raised: str | None = None) -> Preflight:
+        """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end."""
+        try:
+            self.ledger.detach(self)
+        finally:
+            self._modes.close()
+        return dataclasses.replace(self.result(), raised=raised)
 
     # -- ledger callbacks ------------------------------------------------------------------------
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
@@ -211,7 +224,18 @@ class Flight:
         probe = explain(
             where="", requested=found.requested, capacity=self.card.usable, segments=found.segments
         )
-        levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+        levers: list[Lever] = []
+        how = (
+            "levers are predicted by replaying this cell's allocations, changed as each lever "
+            "would change them, through the allocator model"
+        )
+        if len(self.stream) <= MAX_LEVER_EVENTS:
+            levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+        else:  # each lever replays the stream: ~1 s per 100,000 events
+            how = (
+                f"levers left out: the cell made {len(self.stream):,} allocations and frees, "
+                f"more than the {MAX_LEVER_EVENTS:,} replayed for them; pre-flight one step"
+            )
         return explain(
             where=f"predicted {_label(self.card)}",
             requested=found.requested,
@@ -224,8 +248,7 @@ class Flight:
             notes=(
                 f"usable: {_label(self.card)} less {self.card.context // 2**20} MiB for the "
                 "CUDA context; cuBLAS workspaces and CUDA-only buffers not included",
-                "levers are predicted by replaying this cell's allocations, changed as each "
-                "lever would change them, through the allocator model",
+                how,
             ),
         )
 

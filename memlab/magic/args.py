@@ -80,7 +80,8 @@ def _parser() -> _Parser:
         metavar="GPU",
         help="pre-flight: track the cell on the CPU and replay its allocations through the "
         "allocator model of this GPU (a preset such as T4, 'A100 80GB', or a size such as "
-        "24GiB): would it run out of memory there, at which line, and what would make it fit.",
+        "24GiB): would it run out of memory there, at which line, and what would make it fit. "
+        "Code written for CUDA (.cuda(), device='cuda') runs on the CPU for it.",
     )
     p.add_argument("words", nargs="*", help=argparse.SUPPRESS)
     return p

@@ -90,7 +90,7 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
-            self._oom.land(flight, opts, self.sh)
+            self._oom.land(flight, opts, self.sh, e)
             self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
             self._publish(region, opts)
             without_memlab(e)

@@ -33,13 +33,13 @@ class OOMHooks:
         except ValueError as e:
             raise UsageError(f"%gpumem {e}") from None
 
-    def land(self, flight: Any, opts: Any, shell: Any) -> None:
+    def land(self, flight: Any, opts: Any, shell: Any, raised: BaseException | None = None) -> None:
         """The pre-flight's verdict, shown before the cell's report (and its traceback), and
         kept in ``-o NAME``."""
         if flight is None:
             return
         try:
-            result = flight.stop()
+            result = flight.stop(None if raised is None else type(raised).__name__)
         except Exception as e:  # never hide the cell's own outcome behind ours
             print(f"memlab: no pre-flight for this cell: {e}.")
             return

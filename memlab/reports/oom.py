@@ -238,6 +238,8 @@ class Preflight(Result):
     peak_reserved: int
     #: The explanation of the first simulated out-of-memory; None when the cell fits.
     oom: OOMExplanation | None = None
+    #: What the cell raised, if it did not run to its end (the verdict covers it up to there).
+    raised: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -245,9 +247,10 @@ class Preflight(Result):
 
     def headline(self) -> str:
         if self.oom is None:
+            fits = "fits" if self.raised is None else f"fits up to where it raised {self.raised}"
             return (
-                f"pre-flight on {self.gpu}: fits · peak reserved {fmt_bytes(self.peak_reserved)}"
-                f" of {fmt_bytes(self.usable)} usable"
+                f"pre-flight on {self.gpu}: {fits} · peak reserved "
+                f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
             )
         at = f" at line {self.oom.line}" if self.oom.line is not None else ""
         return (
@@ -271,6 +274,7 @@ class Preflight(Result):
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
             "oom": None if self.oom is None else self.oom.to_dict(),
+            "raised": self.raised,
         }
 
 

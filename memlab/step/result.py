@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memlab.reports.frame import heading, note, warning
+from memlab.reports.oom import OOMExplanation
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
@@ -27,6 +28,9 @@ class RunResult(Result):
     series: tuple[int, ...] = ()
     #: Not measured but predicted by `memlab.estimate` for this GPU (its name).
     predicted_for: str | None = None
+    #: An out-of-memory explained: the cache, what was live, the levers (with
+    #: `StepHooks.on_oom`, e.g. the estimator's `run_levers`).
+    explanation: OOMExplanation | None = None
 
     @property
     def peak(self) -> int | None:
@@ -59,6 +63,7 @@ class RunResult(Result):
             "predicted_for": self.predicted_for,
             "peak": self.peak,
             "report": None if self.report is None else self.report.to_dict(),
+            "explanation": None if self.explanation is None else self.explanation.to_dict(),
         }
 
     def text(self) -> str:
@@ -70,6 +75,8 @@ class RunResult(Result):
             lines.append(f"  {series}")
         if self.report is not None:
             lines.append(self.report.text())
+        if self.explanation is not None:
+            lines.append(self.explanation.text())
         return "\n".join(lines)
 
     def html(self) -> str:
@@ -81,4 +88,6 @@ class RunResult(Result):
             parts.append(note(series))
         if self.report is not None:
             parts.append(self.report.html())
+        if self.explanation is not None:
+            parts.append(self.explanation.html())
         return "\n".join(parts)

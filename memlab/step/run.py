@@ -23,6 +23,7 @@ from memlab.core.categories import Category
 from memlab.core.ledger import default_ledger
 from memlab.core.warmup import warm_up
 from memlab.region import track
+from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
@@ -53,12 +54,15 @@ class StepHooks:
     grad_scaler: whether fp16 training uses a gradient scaler.
     on_measure: called with "start" just before the measured step's region, "opened" as its
         clock starts, and "end" just after it.
+    on_oom(error, config, device): an out-of-memory explained (`RunResult.explanation`), called
+        before the failed step's tensors are released (the estimator's `run_levers` makes one).
     """
 
     autocast: Autocast | None = None
     foreach: bool | None = None
     grad_scaler: bool = True
     on_measure: Callable[[str], None] | None = None
+    on_oom: Callable[[BaseException, RunConfig, str], OOMExplanation | None] | None = None
 
 
 def run(
@@ -155,6 +159,7 @@ def run(
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
         except torch.cuda.OutOfMemoryError as e:
+            explained = _explained(hooks, e, config, region.targets[0].name)
             traceback.clear_frames(e.__traceback__)  # the frames hold the step's tensors
             message = str(e).splitlines()[0]
             del e
@@ -162,7 +167,13 @@ def run(
                 report: MemoryReport | None = region.report
             except RuntimeError:
                 report = None
-            return RunResult(config, report, oom=True, error=f"CUDA out of memory: {message}")
+            return RunResult(
+                config,
+                report,
+                oom=True,
+                error=f"CUDA out of memory: {message}",
+                explanation=explained,
+            )
     report = region.report
     if chosen:  # what checkpoint='auto' chose, and what it turned off
         report = dataclasses.replace(report, notes=(*report.notes, *chosen))
@@ -173,6 +184,17 @@ def run(
         else None
     )
     return RunResult(config, report, oom=over, error=error, series=tuple(series))
+
+
+def _explained(
+    hooks: StepHooks, e: BaseException, config: RunConfig, device: str
+) -> OOMExplanation | None:
+    if hooks.on_oom is None:
+        return None
+    try:
+        return hooks.on_oom(e, config, device)
+    except Exception:  # the run's own result comes first: without an explanation
+        return None
 
 
 def _autocast(
