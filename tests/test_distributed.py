@@ -17,8 +17,11 @@ from memlab.estimate import Estimate, estimate, model_states, per_rank
 
 WORLD = 2
 KINDS = ("ddp", "zero1", "fsdp", "fsdp_no_reshard")
-#: An odd width: FSDP pads each shard (255 rows over 2 ranks: 128 and 127, padded to 128).
-WIDTH, DEPTH, BATCH = 255, 6, 16
+#: An odd width: FSDP pads each shard (127 rows over 2 ranks: 64 and 63, padded to 64). Many
+#: small units: gloo frees a collective's buffers on its own thread, a little after the step
+#: moves on, so one unit's reduce-scatter buffer may or may not be alive at the optimizer step's
+#: peak; a unit is 2 % of a rank's peak here.
+WIDTH, DEPTH, BATCH = 127, 20, 16
 
 
 def _model() -> torch.nn.Module:

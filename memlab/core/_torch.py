@@ -77,16 +77,6 @@ def apply_to_tensors(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch
     module._apply(fn)
 
 
-def wrapped_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors a wrapper subclass holds (a DTensor: its local shard), by the subclass
-    protocol's ``__tensor_flatten__``; [] for other tensors. Checked 2.4.1, 2.13."""
-    flatten: Any = getattr(t, "__tensor_flatten__", None)
-    wrapper: Any = _pd.is_traceable_wrapper_subclass
-    if flatten is None or not wrapper(t):
-        return []
-    return [v for v in (getattr(t, n) for n in flatten()[0]) if isinstance(v, torch.Tensor)]
-
-
 def has_meta_kernel(op_name: str) -> bool:
     """Whether ``aten::<op_name>`` has a meta kernel (before 2.5 the attention kernels' forwards
     had none). Checked 2.4.1, 2.11, 2.13."""

@@ -44,7 +44,7 @@ class _Mode(OwnedMode):
         out = func(*args, **(kwargs or {}))
         acc.see_outputs(out, started)
         if is_collective(func):
-            acc.comms.seen(args, kwargs, out)
+            acc.comms.seen(func, args, kwargs, out)
         return out
 
 

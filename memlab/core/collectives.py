@@ -1,12 +1,13 @@
 """Which dispatched ops are collectives, whose tensors are communication buffers.
 
 ``torch.distributed``'s collectives reach the dispatcher as ops of the ``c10d`` namespace
-(``allreduce_``, ``_allgather_base_``, ``_reduce_scatter_base_``... which DDP's gradient buckets
-and FSDP's flat all-gather and reduce-scatter buffers pass through) and, for DTensor and
-functional collectives, of ``_c10d_functional``. Every tensor such an op reads or writes is
-marked ``communication``; a storage that is also a parameter or gradient (DDP's buckets with
-``gradient_as_bucket_view=True``, FSDP's reduce-scatter output that becomes the sharded
-gradient) keeps that higher-priority role.
+(``allreduce_``, ``_allgather_base_``, ``_reduce_scatter_base_``, ...), through which DDP's
+gradient buckets and FSDP's flat all-gather and reduce-scatter buffers pass. Every tensor such an
+op reads or writes is marked ``communication``; a storage that is also a parameter or gradient
+(DDP's buckets with ``gradient_as_bucket_view=True``, FSDP's reduce-scatter output that becomes
+the sharded gradient) keeps that higher-priority role. The functional collectives
+(``_c10d_functional``, which DTensor's redistributions and tensor parallelism use) are left out:
+their tensors are the program's own activations and results, which keep their roles.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from memlab.core.categories import Category
 from memlab.core.ledger import Ledger
 from memlab.core.storages import storage_of
 
-#: Op namespaces of the collectives (checked 2.4.1, 2.13).
-NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+#: Op namespaces of the collectives whose tensors are buffers (checked 2.4.1, 2.13).
+NAMESPACES = frozenset({"c10d"})
 #: Ops that only wait or name a group: their tensors are not new buffers.
 SKIPPED = frozenset({"wait_tensor", "barrier", "monitored_barrier_"})
 
@@ -58,8 +59,8 @@ class Collectives:
     """One region's collectives: marks their tensors, and adopts the staging buffer a backend
     made inside a collective where no dispatch mode sees it (gloo reduce-scatters a flat copy
     of the input and splits it when the work is waited on: the next op or two). A storage new
-    to the ledger, the size of a collective's input, read by one of the next `WINDOW` ops, is
-    counted as allocated there (communication), not as memory from before the region."""
+    to the ledger, the size of a reduce-scatter's input, read by one of the next `WINDOW` ops,
+    is counted as allocated there (communication), not as memory from before the region."""
 
     WINDOW = 3
 
@@ -70,13 +71,14 @@ class Collectives:
         self.pending: list[int] = []
         self._left = 0
 
-    def seen(self, args: Any, kwargs: Any, out: Any) -> None:
+    def seen(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         try:
             tensors = buffers(args, kwargs, out)
             for t in tensors:
                 self.ledger.classify(t, Category.COMMUNICATION)
-            self.pending = [t.numel() * t.element_size() for t in buffers(args, None, None)]
-            self._left = self.WINDOW
+            if "reduce_scatter" in str(func):  # the only collective seen to stage (gloo)
+                self.pending = [t.numel() * t.element_size() for t in buffers(args, None, None)]
+                self._left = self.WINDOW
         except Exception as e:  # never break the user's collective for our bookkeeping
             self.error(e)
 

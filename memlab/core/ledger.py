@@ -186,8 +186,11 @@ class Ledger:
             now = time.perf_counter()
             for entry in list(self._entries.values()):
                 storage = entry.ref()
-                if storage is not None:
-                    self._grew(entry, storage.nbytes(), now)
+                try:
+                    nbytes = storage.nbytes() if storage is not None else entry.nbytes
+                except RuntimeError:  # a storage that cannot say (it keeps its last size)
+                    continue
+                self._grew(entry, nbytes, now)
 
     def _grew(self, entry: Entry, nbytes: int, when: float) -> None:
         delta = nbytes - entry.nbytes

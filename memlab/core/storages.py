@@ -8,7 +8,6 @@ from typing import Protocol
 
 import torch
 
-from memlab.core._torch import wrapped_tensors
 from memlab.core.categories import Category
 
 
@@ -54,6 +53,16 @@ def device_key(device: torch.device) -> str:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def wrapped_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (a DTensor: its local shard), by the tensor-subclass
+    protocol's ``__tensor_flatten__`` (names of the inner tensors); [] for other tensors."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if not callable(flatten):
+        return []
+    names = flatten()[0]
+    return [v for v in (getattr(t, n, None) for n in names) if isinstance(v, torch.Tensor)]
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:

@@ -79,6 +79,7 @@ def _worker(
         value = fn(rank, world_size, *args)
         if rank == 0:
             Path(out).write_text(_encode(value))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
