@@ -57,6 +57,17 @@ def deep_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
     return torch.nn.Sequential(*layers), torch.randn(2, 8)
 
 
+def torchviz_svg(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """torchviz's picture of the same forward (no byte annotations), rendered by dot."""
+
+    def draw() -> object:
+        from torchviz import make_dot
+
+        return make_dot(model(x), params=dict(model.named_parameters())).pipe(format="svg")
+
+    return draw
+
+
 def recurrence(steps: int) -> torch.Tensor:
     w = torch.randn(16, 16, requires_grad=True)
     h = torch.randn(4, 16)
@@ -131,6 +142,11 @@ def main() -> None:
             5,
         ),
         ("  its module view, depth 1 (SVG)", lambda: g.view(depth=1).svg(), 5),
+        (
+            "  anchor: torchviz make_dot of the same forward, rendered to SVG",
+            torchviz_svg(model, x),
+            5,
+        ),
         (
             "5,000-step recurrence sharing one weight: graph_of + SVG",
             lambda: memlab.graph_of(rnn).svg(),

@@ -70,6 +70,8 @@ class Accountant:
         self.breakdown = breakdown
         self.errors: list[str] = []
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: id -> (weak reference, storage id) of each leaf the dispatch path remembered.
+        self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._stack = contextlib.ExitStack()
         self._module_depth = 0
@@ -145,7 +147,7 @@ class Accountant:
                 if self.breakdown:
                     self.used.add(entry.serial)
                     if a.requires_grad and a.is_leaf:
-                        self._remember_leaf(a)
+                        self._remember_leaf(a, st)
         except Exception as e:  # never break the user's op for our bookkeeping
             self._error(e)
 
@@ -180,7 +182,14 @@ class Accountant:
         return Phase.OTHER
 
     # -- roles ---------------------------------------------------------------------------------
-    def _remember_leaf(self, t: torch.Tensor) -> None:
+    def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
+        # On the dispatch path (``storage`` given), once per leaf and storage in a region: the
+        # same parameters come back at every op that reads them.
+        if storage is not None:
+            seen = self._leaf_refs.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == id(storage):
+                return
+            self._leaf_refs[id(t)] = (weakref.ref(t), id(storage))
         self._leaves[t] = True
         if isinstance(t, torch.nn.Parameter):
             self.ledger.classify(t, Category.PARAMETER)

@@ -43,6 +43,9 @@ class Ledger:
         #: Dead references, in the order their storages (or saved aliases) died.
         self._dead: deque[weakref.ref[object]] = deque()
         self._when = 0.0
+        #: Live entries by serial; those that ever had a role or were saved (reports sum the rest).
+        self._by_serial: dict[int, Entry] = {}
+        self._special: dict[int, Entry] = {}
 
     # -- queries ----------------------------------------------------------------------------
     def total(self, device: str) -> int:
@@ -111,6 +114,7 @@ class Ledger:
         ref.key = key
         entry = Entry(next(self._serials), ref, nbytes, device)
         self._entries[key] = entry
+        self._by_serial[entry.serial] = entry
         self._totals[device] = self._totals.get(device, 0) + nbytes
         return entry
 
@@ -209,6 +213,7 @@ class Ledger:
         with self._lock:
             if category in STICKY:
                 entry.category = stronger(entry.category, category)
+                self._special[entry.serial] = entry
             for listener in self._listeners:
                 if listener.device == entry.device:
                     listener.on_mark(entry.serial, category)
@@ -226,6 +231,7 @@ class Ledger:
         with self._lock:
             self._packs[id(ref)] = ref
             entry.saved += 1
+            self._special[entry.serial] = entry
             if entry.saved == 1:
                 self._notify_saved(entry, True)
 
@@ -262,6 +268,8 @@ class Ledger:
                 listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
             entry.notified += 1
         del self._entries[ref.key]
+        self._by_serial.pop(entry.serial, None)
+        self._special.pop(entry.serial, None)
 
 
 _DEFAULT: Ledger | None = None

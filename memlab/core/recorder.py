@@ -174,17 +174,31 @@ class Recorder:
         size: dict[int, int] = {}
         saved: dict[int, bool] = {}
         still: dict[Category, int] = dict.fromkeys(Category, 0)
-        activation, other = Category.ACTIVATION, Category.OTHER
-        for entry in self.ledger.entries(self.device):
-            serial = entry.serial
-            if serial in touched:
+        ledger = self.ledger
+        with ledger._lock:  # one consistent view: the total, the roles, the touched
+            ledger.settle()
+            total = ledger.total(self.device)
+            # the ledger's own indexes (same floor): the touched by serial, and the few that
+            # ever had a role or were saved for backward; no other live entry has either
+            mine = [e for e in map(ledger._by_serial.get, touched) if e is not None]
+            special = [e for e in ledger._special.values() if e.device == self.device]
+            for entry in mine:
+                if entry.device != self.device:
+                    continue
+                serial = entry.serial
                 lasting[serial] = stronger(entry.category, marks.get(serial))
                 size[serial] = entry.nbytes
                 saved[serial] = entry.saved > 0
-            else:  # untouched: it predates the region (a new one has an event), and its role
-                # is its lasting one, else activation while saved, else other
-                role_of = entry.category or (activation if entry.saved else other)
-                still[role_of] += entry.nbytes
+                total -= entry.nbytes
+            # The untouched predate the region (a new storage has an event) and kept one role
+            # throughout: their lasting one, else activation while saved, else other.
+            for entry in special:
+                if entry.serial not in touched:
+                    role_of = entry.category or (Category.ACTIVATION if entry.saved else None)
+                    if role_of is not None:
+                        still[role_of] += entry.nbytes
+                        total -= entry.nbytes
+            still[Category.OTHER] += total  # plain storages, never given a role
         for serial, freed_role in self._freed_role.items():
             lasting[serial] = stronger(freed_role, marks.get(serial))
             size[serial] = 0

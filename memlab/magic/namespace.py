@@ -46,7 +46,7 @@ def _examine(name: Any, value: Any, hidden: Container[str], found: list[Any]) ->
         return False
     if issubclass(kind, _WATCHED):
         found.append(value)
-    elif kind in _CONTAINERS and str(name)[:1] != "_" and name not in hidden:
+    elif kind in _CONTAINERS and type(name) is str and name[:1] != "_" and name not in hidden:
         items = value.values() if kind is dict else value
         if len(items) <= MAX_SCAN:
             found.extend(v for v in items if issubclass(type(v), _WATCHED))

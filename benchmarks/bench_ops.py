@@ -1,0 +1,118 @@
+"""Per-op cost of tensor accounting on a step made of many tiny ops (a small MLP, CPU).
+
+Beside it, in the same process and interleaved round robin (so a busy machine slows all alike):
+the untracked step, the same step under a dispatch mode that does nothing (the floor of any
+accounting done in Python per op), and PyTorch's MemTracker (torch.distributed._tools) where it
+imports. Timed by the process's CPU time (--wall: wall clock, for a quiet machine).
+Target (issue 23): track ≤ 1.5×, with breakdown ≤ 2× the untracked step.
+    python benchmarks/bench_ops.py [--rounds 15] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import emit, header
+
+import memlab
+from memlab.core._torch import TorchDispatchMode
+
+
+class _Nothing(TorchDispatchMode):
+    ops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        _Nothing.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def mlp_step() -> Callable[[], None]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(32, 32), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(16, 32)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def memtracker() -> Callable[[], Any] | None:
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except Exception:
+        return None
+    return MemTracker
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timing")
+    ap.add_argument(
+        "--wall", action="store_true", help="wall clock instead of the process's CPU time"
+    )
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    step = mlp_step()
+    tracker = memtracker()
+    ways: dict[str, Callable[[], Any]] = {
+        "untracked step": lambda: None,
+        "a dispatch mode that does nothing": _Nothing,
+        "memlab.track()": lambda: memlab.track("cpu"),
+        "memlab.track(breakdown=True)": lambda: memlab.track("cpu", breakdown=True),
+    }
+    if tracker is not None:
+        ways["MemTracker"] = tracker
+    with _Nothing():
+        before = _Nothing.ops
+        step()
+        ops = _Nothing.ops - before
+    clock = time.perf_counter if args.wall else time.process_time
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    for r in range(args.rounds + 1):
+        for way, make in ways.items():
+            t0 = clock()
+            for _ in range(args.steps):
+                ctx = make()
+                if ctx is None:
+                    step()
+                else:
+                    with ctx:
+                        step()
+            if r:  # round 0 warms up
+                times[way].append((clock() - t0) / args.steps)
+    med = {w: statistics.median(t) for w, t in times.items()}
+    bare = med["untracked step"]
+    lines = header("Per-op cost of tensor accounting: a step of many tiny ops (cpu)")
+    lines += [
+        f"A training step of an 8-layer MLP (32 wide, batch 16, SGD with momentum): {ops} ATen "
+        f"ops. Median {'wall' if args.wall else 'CPU'} time over {args.rounds} rounds of "
+        f"{args.steps} steps, the ways interleaved round robin in one process"
+        + ("." if args.wall else " (the process's CPU time: the machine is shared with others)."),
+        "",
+        "| way | per step | × untracked | per op beyond the untracked step |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for way, t in med.items():
+        lines.append(
+            f"| {way} | {t * 1e3:.2f} ms | {t / bare:.2f}× | {(t - bare) / ops * 1e6:.1f} µs |"
+        )
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
