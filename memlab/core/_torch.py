@@ -114,9 +114,9 @@ def record_memory_history(on: bool = True, max_entries: int = 1_000_000) -> None
 # The native fused ops the estimator emulates on meta as a GPU runs them. Checked 2.4.1-2.13.
 native_multi_head_attention: Any = torch._native_multi_head_attention
 transformer_encoder_layer_fwd: Any = torch._transformer_encoder_layer_fwd
-cudnn_rnn: Any = torch._cudnn_rnn
 flash_attention: Any = aten._scaled_dot_product_flash_attention
 efficient_attention: Any = aten._scaled_dot_product_efficient_attention
+efficient_attention_backward: Any = aten._scaled_dot_product_efficient_attention_backward
 addmm_activation: Any = aten._addmm_activation
 #: Op names (as dispatch sees them) of the attention kernels' forwards.
 FLASH_ATTENTION = "_scaled_dot_product_flash_attention"

@@ -50,7 +50,7 @@ from memlab.step.model import config_of
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 #: What an estimate cannot see, said in every estimate's notes.
-NOT_MODELLED = "not modelled: reductions' staging buffers, other CUDA-only buffers"
+NOT_MODELLED = "not modelled: other CUDA-only buffers (docs/estimator.md)"
 
 
 def estimate(

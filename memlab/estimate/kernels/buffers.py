@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
+from memlab.core import _torch
 from memlab.estimate.spread import uncertain_empty
 
 aten = torch.ops.aten
 
 
-EFFICIENT_BACKWARD = aten._scaled_dot_product_efficient_attention_backward.default
+EFFICIENT_BACKWARD = _torch.efficient_attention_backward.default
 
 
 def efficient_backward_buffers(query: torch.Tensor) -> None:

@@ -191,7 +191,7 @@ def _flatten(module: torch.nn.RNNBase) -> None:
     """``flatten_parameters`` as on a GPU, for a layer on ``meta``: its weights copied into one
     flat buffer, the separate ones freed. ``.to("cuda")`` calls it as it moves each recurrent
     layer, before the layers after it."""
-    weights = [w for w in module._flat_weights if isinstance(w, torch.Tensor)]
+    weights = [w for layer in module.all_weights for w in layer]  # cuDNN's order
     kinds = {w.dtype for w in weights}
     on_meta = weights and all(w.device.type == "meta" for w in weights)
     if not on_meta or module.proj_size or len(kinds) != 1:
