@@ -280,3 +280,74 @@ def test_the_chart_needs_no_network(tmp_path: Path) -> None:
     page = chart.save(tmp_path / "chart.html")
     assert page.read_text().startswith("<!DOCTYPE html>")
     assert memlab.load_snapshot is load_snapshot and sys.modules["memlab.snapshot"]
+
+
+# -- reading as the file streams in ------------------------------------------------------------
+def same(a: Any, b: Any) -> None:
+    """Two `Trace`s hold the same figures."""
+    for name in ("times", "totals", "groups", "deltas", "owner", "reserved", "a_start"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert np.array_equal(a.a_end, b.a_end, equal_nan=True)
+    assert [a.lines[i] for i in a.a_line] == [b.lines[i] for i in b.a_line]
+    assert (a.before, a.peak, a.timed, a.ooms) == (b.before, b.peak, b.timed, b.ooms)
+
+
+@pytest.mark.parametrize("every", [512, 4096, 1 << 20])
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_reading_as_it_streams_gives_what_reading_whole_gives(
+    tmp_path: Path, every: int, protocol: int
+) -> None:
+    """Events taken out of the loader every ``every`` bytes (each time in another state: inside
+    an event, a batch, a list of frames shared by later events), against the dict read whole."""
+    from memlab.snapshot import stream
+
+    data, truth = training_snapshot(steps=6)
+    path = dumped(tmp_path, data, protocol=protocol)
+    whole = from_dict(pickle.loads(path.read_bytes()), "whole")
+    read, collectors = stream.stream(path, every=every)
+    assert read["device_traces"] == [[]]  # every event went to its collector
+    streamed = collectors[0].finish(read["segments"], 0)
+    same(streamed, whole.trace)
+    assert streamed.peak == truth.peak and collectors[0].events == truth.events
+
+
+@pytest.mark.parametrize("path", REAL[:3], ids=lambda p: p.name.split(".")[0])
+def test_a_recorded_trace_streams_as_it_reads_whole(path: Path, tmp_path: Path) -> None:
+    from memlab.snapshot import stream
+
+    data, _ = real(path)
+    p = dumped(tmp_path, data)
+    _, collectors = stream.stream(p, every=2048)
+    same(collectors[0].finish(data["segments"], 0), from_dict(data, "whole").trace)
+
+
+def test_the_memo_keeps_no_event_after_a_drain(tmp_path: Path) -> None:
+    """What bounds the memory: after each drain the loader's memo holds no event dict and no
+    list of frames, only their readings."""
+    from memlab.snapshot import stream
+    from memlab.snapshot.collect import Known
+
+    data, _ = training_snapshot(steps=150)
+    p = dumped(tmp_path, data)
+    seen: list[tuple[int, int, int]] = []
+    original = stream._Drain.__call__
+
+    def watched(self: Any) -> None:
+        original(self)
+        memo = self.loader.memo.copy()
+        events = sum(1 for o in memo.values() if type(o) is dict and "action" in o)
+        frames = sum(1 for o in memo.values() if type(o) is list and o and "line" in o[0])
+        seen.append((events, frames, sum(1 for o in memo.values() if type(o) is Known)))
+
+    stream._Drain.__call__ = watched  # type: ignore[method-assign]
+    try:
+        stream.stream(p, every=4096)
+    finally:
+        stream._Drain.__call__ = original  # type: ignore[method-assign]
+    assert len(seen) > 5 and stream.SET_MEMO is not None
+    # left: the events of the batch being read (pickle appends up to 1,000 at a time) and
+    # their lists of frames, and the blocks' lists of frames (the segments)
+    blocks = sum(1 for b in data["segments"][0]["blocks"] if b.get("frames"))
+    assert all(e <= 1000 and f <= blocks + 1000 for e, f, _ in seen), seen
+    assert seen[-1][:2] == (0, blocks) and seen[-1][2] > 0
+    assert max(e for e, _, _ in seen) < len(data["device_traces"][0]) // 4
