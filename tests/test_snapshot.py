@@ -351,3 +351,21 @@ def test_the_memo_keeps_no_event_after_a_drain(tmp_path: Path) -> None:
     assert all(e <= 1000 and f <= blocks + 1000 for e, f, _ in seen), seen
     assert seen[-1][:2] == (0, blocks) and seen[-1][2] > 0
     assert max(e for e, _, _ in seen) < len(data["device_traces"][0]) // 4
+
+
+def test_reading_whole_refuses_a_file_too_big_for_the_memory_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memlab.snapshot import unpickle
+
+    data, _ = training_snapshot(steps=2)
+    p = dumped(tmp_path, data)
+    monkeypatch.setattr(unpickle, "available_memory", lambda: p.stat().st_size * 2)
+    with pytest.raises(SnapshotError, match=r"GiB are available.*check_memory=False"):
+        unpickle.read(p)
+    assert unpickle.read(p, check_memory=False)["device_traces"] == data["device_traces"]
+    marker = tmp_path / "ran"
+    data["segments"][0]["frames"] = [Evil(marker)]
+    with pytest.raises(SnapshotError, match=r"posix\.system|nt\.system"):
+        unpickle.read(dumped(tmp_path, data, "evil.pickle"), check_memory=False)
+    assert not marker.exists()
