@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,11 @@ def load_snapshot(path: str | Path, device: int | None = None) -> Snapshot:
     with the most events). The file is read by a restricted unpickler that refuses any Python
     global, so no code in it runs, and its events are taken out as it is read, so memory stays
     far below the file's size (`memlab.snapshot.stream`)."""
-    data, collectors = stream(path)
+    data, collectors, frames = stream(path)
     dev = choose(device, [collectors[i].events for i in range(len(collectors))])
-    collector = collectors.get(dev) or Collector(Frames())
-    return _report(data, str(path), dev, collector.finish(data["segments"], dev), collector.events)
+    collector = collectors.get(dev) or Collector(frames)
+    trace = collector.finish(data["segments"], dev)
+    return _report(data, str(path), dev, trace, collector.events, frames.line)
 
 
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
@@ -33,10 +34,17 @@ def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> 
     collector = Collector(Frames())
     collector.add(events)
     trace = collector.finish(data.get("segments", ()), dev)
-    return _report(data, name, dev, trace, collector.events)
+    return _report(data, name, dev, trace, collector.events, source_line)
 
 
-def _report(data: Mapping[str, Any], name: str, dev: int, trace: Trace, events: int) -> Snapshot:
+def _report(
+    data: Mapping[str, Any],
+    name: str,
+    dev: int,
+    trace: Trace,
+    events: int,
+    line: Callable[[Any], str],
+) -> Snapshot:
     segments = [s for s in data.get("segments", ()) if s.get("device", dev) == dev]
     blocks = [b for s in segments for b in s.get("blocks", ())]
     active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
@@ -78,9 +86,7 @@ def _report(data: Mapping[str, Any], name: str, dev: int, trace: Trace, events: 
         free_cache=sum(free),
         largest_free=max(free, default=0),
         internal_free=sum(int(b["size"]) - int(b.get("requested_size", b["size"])) for b in active),
-        live=tuple(
-            Allocation(size=int(b["size"]), line=source_line(b.get("frames"))) for b in live
-        ),
+        live=tuple(Allocation(size=int(b["size"]), line=line(b.get("frames"))) for b in live),
         top=largest(trace),
         trace=trace,
         notes=tuple(notes),
