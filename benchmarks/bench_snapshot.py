@@ -4,7 +4,8 @@ process that reads it, for made-up snapshots in torch's format (no GPU here reco
 Each size is written by one fresh Python process and read by others, one per way of reading, so
 that each peak RSS is the reading's alone (Linux keeps a process's peak RSS across fork and
 exec, so the parent stays small): ``python benchmarks/bench_snapshot.py 20000 60000``
-(training steps; 54 events each). Prints a Markdown table for RESULTS.md.
+(training steps; 54 events each; ``--free-stacks``: each free with a stack of its own). Prints
+a Markdown table for RESULTS.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 WRITE = """
 import pickle, sys
 from memlab.snapshot.synthetic import training_snapshot
-data, truth = training_snapshot(steps=int(sys.argv[2]), depth=20)
+data, truth = training_snapshot(steps=int(sys.argv[2]), depth=20, free_stacks=sys.argv[3] == "1")
 with open(sys.argv[1], "wb") as f:
     pickle.dump(data, f)  # as torch.cuda.memory._dump_snapshot writes it
 print(truth.peak)
@@ -52,14 +53,15 @@ def run(code: str, *args: str) -> str:
 
 
 def main() -> None:
-    steps = [int(a) for a in sys.argv[1:]] or [20_000, 60_000]
+    free_stacks = "--free-stacks" in sys.argv  # each free with a stack of its own
+    steps = [int(a) for a in sys.argv[1:] if a.isdigit()] or [20_000, 60_000]
     print(f"<!-- {time.strftime('%Y-%m-%d')} · Python {sys.version.split()[0]} -->")
     print("| events | file | reading | read | report + chart | peak RSS (above import) |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         for n in steps:
             path = Path(tmp) / f"snapshot-{n}.pickle"
-            peak = int(run(WRITE, str(path), str(n)))
+            peak = int(run(WRITE, str(path), str(n), "1" if free_stacks else "0"))
             mib = path.stat().st_size / 2**20
             for way in ("streamed", "whole"):
                 r = json.loads(run(READ, str(path), way))

@@ -48,10 +48,12 @@ def _frames(kind: str, depth: int) -> list[dict[str, Any]]:
 
 
 def training_snapshot(
-    steps: int, layers: int = 6, depth: int = 8, seed: int = 0
+    steps: int, layers: int = 6, depth: int = 8, seed: int = 0, free_stacks: bool = False
 ) -> tuple[dict[str, Any], Truth]:
-    """A snapshot of ``steps`` training steps of a ``layers``-layer model (about ``12 * layers``
-    events a step), and its `Truth`. Weights are made before the trace begins."""
+    """A snapshot of ``steps`` training steps of a ``layers``-layer model (about ``9 * layers``
+    events a step), and its `Truth`. Weights are made before the trace begins. A free carries
+    its allocation's list of frames (as torch records by default), or with ``free_stacks`` a
+    list of its own (``_record_memory_history(stacks="all")``)."""
     rng = random.Random(seed)
     stacks = {k: _frames(k, depth) for k in LINES}
     events: list[dict[str, Any]] = []
@@ -89,7 +91,8 @@ def training_snapshot(
             # as torch records without free stacks: the allocation's own list, shared
             events.append(
                 {"action": action, "addr": a, "size": size, "stream": 0, "time_us": now,
-                 "frames": made_by.pop(a) if action == "free_completed" else made_by[a]}
+                 "frames": list(stacks["backward"]) if free_stacks
+                 else made_by.pop(a) if action == "free_completed" else made_by[a]}
             )  # fmt: skip
 
     state: list[int] = []
