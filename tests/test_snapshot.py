@@ -376,3 +376,12 @@ def test_reading_whole_refuses_a_file_too_big_for_the_memory_left(
     with pytest.raises(SnapshotError, match=r"posix\.system|nt\.system"):
         unpickle.read(dumped(tmp_path, data, "evil.pickle"), check_memory=False)
     assert not marker.exists()
+
+
+def test_a_snapshot_without_events_says_so() -> None:
+    s = from_dict({"segments": [], "device_traces": []}, "empty")
+    assert s.peak == 0 and "no allocations" in s.text() and "no events recorded" in s.text()
+    with pytest.raises(
+        ValueError, match=r"no allocations or frees to draw.*_record_memory_history"
+    ):
+        s.chart()
