@@ -1,66 +1,79 @@
 """Reading big memory snapshots: file size, seconds to the report, and the peak memory of the
 process that reads it, for made-up snapshots in torch's format (no GPU here records one).
 
-Each size is written once, then read by a fresh Python process (so that its peak RSS is the
-reading's alone): ``python benchmarks/bench_snapshot.py 20000 100000 300000`` (training steps;
-about 54 events each). Prints a Markdown table for RESULTS.md.
+Each size is written by one fresh Python process and read by others, one per way of reading, so
+that each peak RSS is the reading's alone (Linux keeps a process's peak RSS across fork and
+exec, so the parent stays small): ``python benchmarks/bench_snapshot.py 20000 60000``
+(training steps; 54 events each; ``--free-stacks``: each free with a stack of its own). Prints
+a Markdown table for RESULTS.md.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+WRITE = """
+import pickle, sys
+from memlab.snapshot.synthetic import training_snapshot
+data, truth = training_snapshot(steps=int(sys.argv[2]), depth=20, free_stacks=sys.argv[3] == "1")
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(data, f)  # as torch.cuda.memory._dump_snapshot writes it
+print(truth.peak)
+"""
 READ = """
 import json, resource, sys, time
-t = time.perf_counter()
 import memlab
-s = memlab.load_snapshot(sys.argv[1])
-read = time.perf_counter() - t
+from memlab.snapshot import from_dict
+from memlab.snapshot.unpickle import read
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+t = time.perf_counter()
+if sys.argv[2] == "streamed":
+    s = memlab.load_snapshot(sys.argv[1])
+else:
+    s = from_dict(read(sys.argv[1], check_memory=False), sys.argv[1])
+loaded = time.perf_counter() - t
 t = time.perf_counter()
 s.text(); s.chart().html()
-shown = time.perf_counter() - t
-print(json.dumps({"events": s.events, "peak": s.peak, "read_s": read, "view_s": shown,
+print(json.dumps({"events": s.events, "peak": s.peak, "read_s": loaded,
+                  "view_s": time.perf_counter() - t, "base_mib": base,
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def measure(steps: int, folder: Path) -> dict[str, float]:
-    from memlab.snapshot.synthetic import training_snapshot
-
-    data, truth = training_snapshot(steps=steps, depth=20)
-    path = folder / f"snapshot-{steps}.pickle"
-    with path.open("wb") as f:
-        pickle.dump(data, f)  # as torch.cuda.memory._dump_snapshot writes it
-    del data
-    out = subprocess.run(
-        [sys.executable, "-c", READ, str(path)], capture_output=True, text=True, check=True
-    )
-    row = json.loads(out.stdout)
-    assert row["peak"] == truth.peak and row["events"] == truth.events
-    row["file_mib"] = path.stat().st_size / 2**20
-    path.unlink()
-    return row
+def run(code: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr)
+    return done.stdout
 
 
 def main() -> None:
-    steps = [int(a) for a in sys.argv[1:]] or [20_000, 100_000]
+    free_stacks = "--free-stacks" in sys.argv  # each free with a stack of its own
+    steps = [int(a) for a in sys.argv[1:] if a.isdigit()] or [20_000, 60_000]
     print(f"<!-- {time.strftime('%Y-%m-%d')} · Python {sys.version.split()[0]} -->")
-    print("| events | file | read | report + chart | peak RSS | RSS / file |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| events | file | reading | read | report + chart | peak RSS (above import) |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         for n in steps:
-            r = measure(n, Path(tmp))
-            print(
-                f"| {r['events']:,} | {r['file_mib']:.0f} MiB | {r['read_s']:.1f} s | "
-                f"{r['view_s']:.1f} s | {r['rss_mib']:.0f} MiB | {r['rss_mib'] / r['file_mib']:.1f}× |",
-                flush=True,
-            )
+            path = Path(tmp) / f"snapshot-{n}.pickle"
+            peak = int(run(WRITE, str(path), str(n), "1" if free_stacks else "0"))
+            mib = path.stat().st_size / 2**20
+            for way in ("streamed", "whole"):
+                r = json.loads(run(READ, str(path), way))
+                assert r["peak"] == peak
+                above = r["rss_mib"] - r["base_mib"]
+                print(
+                    f"| {r['events']:,} | {mib:.0f} MiB | {way} | {r['read_s']:.1f} s | "
+                    f"{r['view_s']:.1f} s | {r['rss_mib']:.0f} MiB ({above:.0f} MiB, "
+                    f"{above / mib:.1f}× the file) |",
+                    flush=True,
+                )
+            path.unlink()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ timelines written as snapshots that torch's viewer functions and memlab read bac
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -20,7 +21,7 @@ from torch.cuda import _memory_viz as viz  # torch's snapshot viewer, public fun
 
 import memlab
 from memlab.snapshot import SnapshotError, from_dict, load_snapshot
-from memlab.snapshot.synthetic import training_snapshot
+from memlab.snapshot.synthetic import USER_FILE, training_snapshot
 from memlab.snapshot.trace import reduce
 
 DATA = Path(__file__).parent / "data"
@@ -66,6 +67,9 @@ def test_a_made_up_training_snapshot_gives_its_known_figures(tmp_path: Path) -> 
     )
     assert s.events == truth.events
     assert s.top[0].size == truth.largest and s.top[0].line == truth.largest_line
+    # read as it streams in, or whole: the same report
+    assert s.to_dict() == dataclasses.replace(from_dict(data, s.path)).to_dict()
+    assert {a.line for a in s.live} == {f"{USER_FILE}:{n} in train" for n in (12, 37)}
     assert [a.size for a in s.top] == sorted((a.size for a in s.top), reverse=True)
     # the free cache is the segment's inactive blocks
     free = [b["size"] for b in data["segments"][0]["blocks"] if b["state"] == "inactive"]
@@ -280,3 +284,104 @@ def test_the_chart_needs_no_network(tmp_path: Path) -> None:
     page = chart.save(tmp_path / "chart.html")
     assert page.read_text().startswith("<!DOCTYPE html>")
     assert memlab.load_snapshot is load_snapshot and sys.modules["memlab.snapshot"]
+
+
+# -- reading as the file streams in ------------------------------------------------------------
+def same(a: Any, b: Any) -> None:
+    """Two `Trace`s hold the same figures."""
+    for name in ("times", "totals", "groups", "deltas", "owner", "reserved", "a_start"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert np.array_equal(a.a_end, b.a_end, equal_nan=True)
+    assert [a.lines[i] for i in a.a_line] == [b.lines[i] for i in b.a_line]
+    assert (a.before, a.peak, a.timed, a.ooms) == (b.before, b.peak, b.timed, b.ooms)
+
+
+@pytest.mark.parametrize("every", [512, 4096, 1 << 20])
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_reading_as_it_streams_gives_what_reading_whole_gives(
+    tmp_path: Path, every: int, protocol: int
+) -> None:
+    """Events taken out of the loader every ``every`` bytes (each time in another state: inside
+    an event, a batch, a list of frames shared by later events), against the dict read whole."""
+    from memlab.snapshot import stream
+
+    data, truth = training_snapshot(steps=6)
+    path = dumped(tmp_path, data, protocol=protocol)
+    whole = from_dict(pickle.loads(path.read_bytes()), "whole")
+    read, collectors, _ = stream.stream(path, every=every)
+    assert read["device_traces"] == [[]]  # every event went to its collector
+    streamed = collectors[0].finish(read["segments"], 0)
+    same(streamed, whole.trace)
+    assert streamed.peak == truth.peak and collectors[0].events == truth.events
+
+
+@pytest.mark.parametrize("path", REAL[:3], ids=lambda p: p.name.split(".")[0])
+def test_a_recorded_trace_streams_as_it_reads_whole(path: Path, tmp_path: Path) -> None:
+    from memlab.snapshot import stream
+
+    data, _ = real(path)
+    p = dumped(tmp_path, data)
+    _, collectors, _ = stream.stream(p, every=2048)
+    same(collectors[0].finish(data["segments"], 0), from_dict(data, "whole").trace)
+
+
+def test_the_loader_keeps_no_event_after_a_drain(tmp_path: Path) -> None:
+    """What bounds the memory: after each drain, what the loader's memo still holds of the
+    events taken is emptied dicts and read lists of frames (``[READ, Known]``)."""
+    from memlab.snapshot import stream
+    from memlab.snapshot.collect import READ
+
+    data, truth = training_snapshot(steps=150)
+    p = dumped(tmp_path, data)
+    seen: list[tuple[int, int, int]] = []
+    original = stream._Drain.__call__
+
+    def watched(self: Any) -> None:
+        original(self)
+        memo = list(self.loader.memo.copy().values())
+        full = sum(1 for o in memo if type(o) is dict and "action" in o)
+        unread = sum(
+            1 for o in memo if type(o) is list and o and type(o[0]) is dict and "line" in o[0]
+        )
+        read = sum(1 for o in memo if type(o) is list and o and o[0] is READ)
+        seen.append((full, unread, read))
+
+    stream._Drain.__call__ = watched  # type: ignore[method-assign]
+    try:
+        _, collectors, _ = stream.stream(p, every=4096)
+    finally:
+        stream._Drain.__call__ = original  # type: ignore[method-assign]
+    assert len(seen) > 5 and collectors[0].events == truth.events
+    # left whole: the events of the batch being read (pickle appends up to 1,000 at a time) and
+    # their lists of frames, and the blocks' lists of frames (the segments)
+    blocks = sum(1 for b in data["segments"][0]["blocks"] if b.get("frames"))
+    assert all(full <= 1000 and unread <= blocks + 1000 for full, unread, _ in seen), seen
+    assert max(full for full, _, _ in seen) < truth.events // 4
+    assert seen[-1][2] > truth.events // 4  # one read list an allocation
+
+
+def test_reading_whole_refuses_a_file_too_big_for_the_memory_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memlab.snapshot import unpickle
+
+    data, _ = training_snapshot(steps=2)
+    p = dumped(tmp_path, data)
+    monkeypatch.setattr(unpickle, "available_memory", lambda: p.stat().st_size * 2)
+    with pytest.raises(SnapshotError, match=r"GiB are available.*check_memory=False"):
+        unpickle.read(p)
+    assert unpickle.read(p, check_memory=False)["device_traces"] == data["device_traces"]
+    marker = tmp_path / "ran"
+    data["segments"][0]["frames"] = [Evil(marker)]
+    with pytest.raises(SnapshotError, match=r"posix\.system|nt\.system"):
+        unpickle.read(dumped(tmp_path, data, "evil.pickle"), check_memory=False)
+    assert not marker.exists()
+
+
+def test_a_snapshot_without_events_says_so() -> None:
+    s = from_dict({"segments": [], "device_traces": []}, "empty")
+    assert s.peak == 0 and "no allocations" in s.text() and "no events recorded" in s.text()
+    with pytest.raises(
+        ValueError, match=r"no allocations or frees to draw.*_record_memory_history"
+    ):
+        s.chart()

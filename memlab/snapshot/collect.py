@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -22,8 +22,11 @@ from memlab.snapshot.trace import (
 
 
 class Known(tuple[int, int]):
-    """A stack already read: (index of its source line, its group). Stands in for a list of
-    frames once the events that held it are gone (see `memlab.snapshot.stream`)."""
+    """A stack already read: (index of its source line, its group)."""
+
+
+#: The first item of a list of frames already read: ``[READ, Known]`` (`memlab.snapshot.stream`).
+READ = object()
 
 
 class Frames:
@@ -31,20 +34,29 @@ class Frames:
 
     def __init__(self) -> None:
         self.lines: dict[str, int] = {}
+        self.names: list[str] = []  # the lines, by index
         self._by_ids: dict[tuple[int, ...], Known] = {}
         self._known: dict[tuple[int, int], Known] = {}
 
     def of(self, frames: Any) -> Known:
-        if type(frames) is Known:
-            return frames
+        """The reading of a list of frames (innermost first), or of one already read."""
+        if frames and frames[0] is READ:
+            return cast(Known, frames[1])
         frames = frames or ()
         key = tuple(map(id, frames))  # torch shares one dict per distinct frame: ids name a stack
         known = self._by_ids.get(key)
         if known is None:
-            line = self.lines.setdefault(source_line(frames), len(self.lines))
+            text = source_line(frames)
+            line = self.lines.setdefault(text, len(self.lines))
+            if line == len(self.names):
+                self.names.append(text)
             pair = (line, phase_of(frames))
             known = self._by_ids[key] = self._known.setdefault(pair, Known(pair))
         return known
+
+    def line(self, frames: Any) -> str:
+        """The source line of a list of frames, read or not."""
+        return self.names[self.of(frames)[0]]
 
 
 class Collector:

@@ -100,10 +100,15 @@ def chart_of_trace(t: Trace, title: str, points: int = POINTS) -> Chart:
     from bokeh.plotting import figure
 
     n = len(t.times)
-    keep = reduce(t.totals, points) if n else np.arange(0)
+    if not n:
+        raise ValueError(
+            f"{title} has no allocations or frees to draw: record them with "
+            "torch.cuda.memory._record_memory_history() before the code, then _dump_snapshot()."
+        )
+    keep = reduce(t.totals, points)
     div, unit = _scale(float(t.peak))
-    stacked = t.by_group()[:, keep] / div if n else np.zeros((len(GROUPS), 0))
-    present = [g for g in STACK if n and stacked[g].any()]
+    stacked = t.by_group()[:, keep] / div
+    present = [g for g in STACK if stacked[g].any()] or [0]
     xs, ys = _steps(t.times[keep], [stacked[g] for g in present])
     fig = figure(
         height=320,
@@ -126,24 +131,24 @@ def chart_of_trace(t: Trace, title: str, points: int = POINTS) -> Chart:
         alpha=0.85,
     )
     _allocations(fig, t, div, HoverTool, ColumnDataSource)
-    if n:
-        i = int(t.totals.argmax())
-        fig.scatter(
-            [t.times[i]], [t.totals[i] / div], marker="inverted_triangle", size=12, color="#c0392b"
+    # the peak, marked
+    i = int(t.totals.argmax())
+    fig.scatter(
+        [t.times[i]], [t.totals[i] / div], marker="inverted_triangle", size=12, color="#c0392b"
+    )
+    fig.add_layout(
+        Label(
+            x=float(t.times[i]),
+            y=float(t.totals[i] / div),
+            text=f"peak {fmt_bytes(int(t.totals[i]))}",
+            text_color="#c0392b",
+            text_font_size="11px",
+            x_offset=8,
+            y_offset=4,
         )
-        fig.add_layout(
-            Label(
-                x=float(t.times[i]),
-                y=float(t.totals[i] / div),
-                text=f"peak {fmt_bytes(int(t.totals[i]))}",
-                text_color="#c0392b",
-                text_font_size="11px",
-                x_offset=8,
-                y_offset=4,
-            )
-        )
-        fig.y_range.start = 0  # type: ignore[attr-defined]
-        fig.y_range.end = float(t.totals[i] / div) * 1.12  # type: ignore[attr-defined]
+    )
+    fig.y_range.start = 0  # type: ignore[attr-defined]
+    fig.y_range.end = max(float(t.totals[i] / div) * 1.12, 1.0)  # type: ignore[attr-defined]
     _theme(fig)
     return Chart(title=title, item=json.dumps(json_item(fig)), events=n, points=len(xs))
 

@@ -3,40 +3,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from memlab.reports.units import fmt_bytes
-from memlab.snapshot.collect import parse
+from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
-from memlab.snapshot.trace import source_line
-from memlab.snapshot.unpickle import read
+from memlab.snapshot.stream import stream
+from memlab.snapshot.trace import Trace, busiest, choose, source_line
 
 
-def load_snapshot(
-    path: str | Path, device: int | None = None, *, check_memory: bool = True
-) -> Snapshot:
+def load_snapshot(path: str | Path, device: int | None = None) -> Snapshot:
     """Read a memory snapshot (``torch.cuda.memory._dump_snapshot(path)``, torch 2.4 and later;
     gzipped too) into a `Snapshot`: its peak, timeline, largest allocations with the line that
     made each, live blocks and fragmentation. ``device``: which GPU's trace (default: the one
     with the most events). The file is read by a restricted unpickler that refuses any Python
-    global, so no code in it runs. A file too big for the memory left is refused before it is
-    read (``check_memory=False`` reads it anyway)."""
-    data = read(path, check_memory)
-    return from_dict(data, str(path), device)
+    global, so no code in it runs, and its events are taken out as it is read, so memory stays
+    far below the file's size (`memlab.snapshot.stream`)."""
+    data, collectors, frames = stream(path)
+    dev = choose(device, [collectors[i].events for i in range(len(collectors))])
+    collector = collectors.get(dev) or Collector(frames)
+    trace = collector.finish(data["segments"], dev)
+    return _report(data, str(path), dev, trace, collector.events, frames.line)
 
 
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
     """A `Snapshot` from a snapshot dict (``torch.cuda.memory._snapshot()``)."""
-    dev, trace = parse(data, device)
+    dev, events = busiest(data, device)
+    collector = Collector(Frames())
+    collector.add(events)
+    trace = collector.finish(data.get("segments", ()), dev)
+    return _report(data, name, dev, trace, collector.events, source_line)
+
+
+def _report(
+    data: Mapping[str, Any],
+    name: str,
+    dev: int,
+    trace: Trace,
+    events: int,
+    line: Callable[[Any], str],
+) -> Snapshot:
     segments = [s for s in data.get("segments", ()) if s.get("device", dev) == dev]
     blocks = [b for s in segments for b in s.get("blocks", ())]
     active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
     free = [int(b["size"]) for b in blocks if not str(b.get("state", "")).startswith("active")]
     allocated = sum(int(b["size"]) for b in active)
-    traces = data.get("device_traces") or []
-    events = len(traces[dev]) if traces else 0
     notes = []
     if not events:
         notes.append(
@@ -73,9 +86,7 @@ def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> 
         free_cache=sum(free),
         largest_free=max(free, default=0),
         internal_free=sum(int(b["size"]) - int(b.get("requested_size", b["size"])) for b in active),
-        live=tuple(
-            Allocation(size=int(b["size"]), line=source_line(b.get("frames"))) for b in live
-        ),
+        live=tuple(Allocation(size=int(b["size"]), line=line(b.get("frames"))) for b in live),
         top=largest(trace),
         trace=trace,
         notes=tuple(notes),

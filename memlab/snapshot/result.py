@@ -149,7 +149,9 @@ class Snapshot(Result):
 
     def _title(self) -> tuple[str, str]:
         span = fmt_seconds(float(self.trace.times[-1])) if len(self.trace.times) else "0 s"
-        if not self.trace.timed:
+        if not len(self.trace.times):
+            span = "no allocations"
+        elif not self.trace.timed:
             span = f"{len(self.trace.times)} events (no times recorded)"
         sub = (
             f"cuda:{self.device}, {self.events:,} events over {span}, {self.segments} segments, "

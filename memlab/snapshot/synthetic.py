@@ -48,14 +48,17 @@ def _frames(kind: str, depth: int) -> list[dict[str, Any]]:
 
 
 def training_snapshot(
-    steps: int, layers: int = 6, depth: int = 8, seed: int = 0
+    steps: int, layers: int = 6, depth: int = 8, seed: int = 0, free_stacks: bool = False
 ) -> tuple[dict[str, Any], Truth]:
-    """A snapshot of ``steps`` training steps of a ``layers``-layer model (about ``12 * layers``
-    events a step), and its `Truth`. Weights are made before the trace begins."""
+    """A snapshot of ``steps`` training steps of a ``layers``-layer model (about ``9 * layers``
+    events a step), and its `Truth`. Weights are made before the trace begins. A free carries
+    its allocation's list of frames (as torch records by default), or with ``free_stacks`` a
+    list of its own (``_record_memory_history(stacks="all")``)."""
     rng = random.Random(seed)
     stacks = {k: _frames(k, depth) for k in LINES}
     events: list[dict[str, Any]] = []
     live: dict[int, int] = {}
+    made_by: dict[int, list[dict[str, Any]]] = {}  # address -> its allocation's frames
     addr, now, total = BASE, 1_700_000_000_000_000, 0
     weights = [rng.randrange(1, 64) * 65536 for _ in range(layers)]
     for w in weights:  # made before recording began: in the segments, not in the trace
@@ -69,12 +72,13 @@ def training_snapshot(
         a, addr, now = addr, addr + size, now + rng.randrange(1, 50)
         live[a] = size
         total += size
+        stack = made_by[a] = list(stacks[kind])
         peak = max(peak, total)
         if size > largest:
             largest, largest_line = size, f"{USER_FILE}:{LINES[kind]} in train"
         events.append(
             {"action": "alloc", "addr": a, "size": size, "stream": 0, "time_us": now,
-             "frames": list(stacks[kind])}
+             "frames": stack}
         )  # fmt: skip
         return a
 
@@ -84,9 +88,11 @@ def training_snapshot(
         total -= size
         for action in ("free_requested", "free_completed"):
             now += rng.randrange(1, 5)
+            # as torch records without free stacks: the allocation's own list, shared
             events.append(
                 {"action": action, "addr": a, "size": size, "stream": 0, "time_us": now,
-                 "frames": list(stacks["backward"])}
+                 "frames": list(stacks["backward"]) if free_stacks
+                 else made_by.pop(a) if action == "free_completed" else made_by[a]}
             )  # fmt: skip
 
     state: list[int] = []

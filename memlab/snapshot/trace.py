@@ -99,15 +99,21 @@ def phase_of(frames: Sequence[Mapping[str, Any]] | None) -> int:
     return OTHER
 
 
-def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]]:
-    traces = data.get("device_traces") or []
+def choose(device: int | None, counts: Sequence[int]) -> int:
+    """The device asked for, checked against the snapshot's, or the one with most events."""
     if device is None:
-        device = max(range(len(traces)), key=lambda i: len(traces[i]), default=0)
-    if not isinstance(device, int) or device < 0 or (traces and device >= len(traces)):
+        return max(range(len(counts)), key=counts.__getitem__, default=0)
+    if not isinstance(device, int) or device < 0 or (counts and device >= len(counts)):
         raise ValueError(
-            f"device={device!r}: the snapshot has traces for devices 0 to {len(traces) - 1}; "
+            f"device={device!r}: the snapshot has traces for devices 0 to {len(counts) - 1}; "
             "pass one of those, or None for the busiest."
         )
+    return device
+
+
+def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]]:
+    traces = data.get("device_traces") or []
+    device = choose(device, [len(t) for t in traces])
     return device, list(traces[device]) if traces else []
 
 

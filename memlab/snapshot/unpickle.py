@@ -13,7 +13,7 @@ import gc
 import gzip
 import pickle
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import Any, NoReturn
 
 
 class SnapshotError(ValueError):
@@ -23,7 +23,7 @@ class SnapshotError(ValueError):
 class SafeUnpickler(pickle.Unpickler):
     """An unpickler that builds plain containers, strings, bytes and numbers only."""
 
-    def __init__(self, file: IO[bytes], name: str) -> None:
+    def __init__(self, file: Any, name: str) -> None:
         super().__init__(file)
         self.name = name
 
@@ -66,17 +66,7 @@ def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
     otherwise); ``check_memory=False`` reads it anyway. Python's cyclic garbage collector is
     paused while the pickle is read (millions of new containers would trigger it again and
     again, for nothing) and restarted after, if it was running."""
-    if not isinstance(path, (str, Path)):
-        raise TypeError(
-            f"path={path!r} is a {type(path).__name__}: pass the path of a file written by "
-            "torch.cuda.memory._dump_snapshot, as a str or pathlib.Path."
-        )
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"path={str(path)!r}: no such file. Pass the path of a file written by "
-            "torch.cuda.memory._dump_snapshot(path) on the GPU machine."
-        )
+    p = check_path(path)
     with p.open("rb") as raw:
         gzipped = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
@@ -103,6 +93,22 @@ def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
             "a file written by torch.cuda.memory._dump_snapshot."
         )
     return data
+
+
+def check_path(path: str | Path) -> Path:
+    """``path`` as a Path to a file that exists, or an error that says what to pass."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(
+            f"path={path!r} is a {type(path).__name__}: pass the path of a file written by "
+            "torch.cuda.memory._dump_snapshot, as a str or pathlib.Path."
+        )
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"path={str(path)!r}: no such file. Pass the path of a file written by "
+            "torch.cuda.memory._dump_snapshot(path) on the GPU machine."
+        )
+    return p
 
 
 def _check_memory(p: Path, pickled: int) -> None:
