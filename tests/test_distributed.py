@@ -258,3 +258,23 @@ def test_the_zero_papers_table_is_reproduced() -> None:
     assert table.rows[1].by_category[Category.OPTIMIZER_STATE] == 12 * 7_500_000_000 // 64
     with pytest.raises(ValueError, match="world_size must be a whole number"):
         model_states(10, 0)
+
+
+def test_spawn_starts_under_ipythons_stand_in_for_main(monkeypatch: pytest.MonkeyPatch) -> None:
+    # IPython's user module is sys.modules["__main__"]; after %reset it has no __spec__, which
+    # spawn reads.
+    import multiprocessing.spawn
+    import sys
+    import types
+
+    from memlab.distributed.launch import _main_described
+
+    main = types.ModuleType("__main__")
+    del main.__spec__  # what %reset -f leaves
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(AttributeError):
+        multiprocessing.spawn.get_preparation_data("rank")
+    with _main_described():
+        data = multiprocessing.spawn.get_preparation_data("rank")
+    assert data["name"] == "rank"
+    assert not hasattr(main, "__spec__")  # only what memlab set is taken away

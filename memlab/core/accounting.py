@@ -25,6 +25,7 @@ from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
+from memlab.core.storages import op_tensors
 from memlab.core.warmup import warm_up
 
 
@@ -46,20 +47,6 @@ class _Mode(OwnedMode):
         if is_collective(func):
             acc.comms.seen(func, args, kwargs, out)
         return out
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors among an op's arguments or results: top level, and one level into lists and
-    tuples (``cat``, ``stack``, ``split``). ATen schemas nest no deeper."""
-    if isinstance(values, torch.Tensor):
-        return [values]
-    found = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(w for w in v if isinstance(w, torch.Tensor))
-    return found
 
 
 class Accountant:
@@ -136,9 +123,9 @@ class Accountant:
     # -- the dispatch path --------------------------------------------------------------------
     def see_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
         try:
-            tensors = _tensors(args)
+            tensors = op_tensors(args)
             if kwargs:
-                tensors += _tensors(kwargs.values())
+                tensors += op_tensors(kwargs.values())
             for a in tensors:
                 st = storage_of(a)
                 if st is None:
@@ -155,7 +142,7 @@ class Accountant:
         try:
             if out is None:
                 return
-            for t in _tensors(out if isinstance(out, (list, tuple, torch.Tensor)) else (out,)):
+            for t in op_tensors(out if isinstance(out, (list, tuple, torch.Tensor)) else (out,)):
                 st = storage_of(t)
                 if st is not None:
                     self.ledger.produced(t, st, started)

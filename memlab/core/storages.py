@@ -4,7 +4,7 @@ by a weak reference), its size, its role; and how a tensor's storage and device 
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -93,3 +93,17 @@ class PackRef(weakref.ref):  # type: ignore[type-arg]
     entry: Entry
     #: 0: saved; 1: counted down; 2: listeners told.
     step: int
+
+
+def op_tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or results: top level, and one level into lists and
+    tuples (``cat``, ``stack``, ``split``). ATen schemas nest no deeper."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(w for w in v if isinstance(w, torch.Tensor))
+    return found

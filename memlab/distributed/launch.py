@@ -15,12 +15,14 @@ rank 0, ``None`` on the others.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +121,31 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="memlab-launch-") as tmp:
         out = str(Path(tmp) / "rank0.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        start_processes(
-            _worker,
-            args=(fn, world_size, backend, init, out, tuple(args)),
-            nprocs=world_size,
-            start_method=method,
-        )
+        with _main_described():
+            start_processes(
+                _worker,
+                args=(fn, world_size, backend, init, out, tuple(args)),
+                nprocs=world_size,
+                start_method=method,
+            )
         return _decode(Path(out).read_text())
+
+
+@contextlib.contextmanager
+def _main_described() -> Iterator[None]:
+    """multiprocessing's spawn reads ``__main__.__spec__``, which IPython's stand-in for
+    ``__main__`` (a shell's user module) lacks: for the start only, it reads as ``None`` (no
+    module to re-import in the child), and the attribute is taken away again after."""
+    main = sys.modules.get("__main__")
+    if main is None or hasattr(main, "__spec__"):
+        yield
+        return
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del main.__spec__
 
 
 def _start_method(fn: Callable[..., Any]) -> str:
