@@ -412,12 +412,18 @@ def families(rows: list[dict[str, Any]]) -> list[str]:
         for figure in ("peak_allocated", "peak_reserved"):
             errs = [error(r["predicted"].get(figure), r["real"].get(figure)) for r in mine]
             found = [abs(e) for e in errs if e is not None]
+            if not found:  # a dry run: nothing measured to compare with
+                figures += ["—", "—"]
+                continue
             figures += [f"{statistics.median(found):.1%}", f"{max(found):.1%}"]
         missed = [
             r["config"]
             for r in mine
-            if not within(r["predicted"], r["real"], "peak_allocated", 0.05)
-            or not within(r["predicted"], r["real"], "peak_reserved", 0.10)
+            if r["real"].get("peak_allocated") is not None
+            and (
+                not within(r["predicted"], r["real"], "peak_allocated", 0.05)
+                or not within(r["predicted"], r["real"], "peak_reserved", 0.10)
+            )
         ]
         lines.append(
             f"| {model} | {len(mine)} | {' | '.join(figures)} | {', '.join(missed) or 'none'} |"
