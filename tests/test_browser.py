@@ -200,6 +200,20 @@ def toggle(panel: Any, group: str, option: str) -> None:
     wait_for(f"{group} = {option}", active, 5)
 
 
+def choose(panel: Any, label: str, option: str) -> None:
+    select = (
+        panel.locator(".widget-dropdown")
+        .filter(has=panel.page.locator(".widget-label").get_by_text(label, exact=True))
+        .locator("select")
+    )
+    select.select_option(label=option)
+    wait_for(
+        f"{label} = {option}",
+        lambda: select.evaluate("s => s.selectedOptions[0].text") == option,
+        5,
+    )
+
+
 def set_number(panel: Any, label: str, value: int) -> None:
     field = (
         panel.locator(".widget-inline-hbox")
@@ -237,7 +251,7 @@ def test_the_panel_compares_runs_with_the_python_apis_numbers(
     toggle(panel, "keep outputs", "detached")
     press_run(4)
     toggle(panel, "keep outputs", "off")
-    toggle(panel, "mode", "no_grad")
+    choose(panel, "mode", "no_grad")
     press_run(5)
     described = [rows.nth(i).locator("td").nth(1).inner_text() for i in range(1, 5)]
     assert described == [
@@ -255,7 +269,7 @@ def test_the_panel_compares_runs_with_the_python_apis_numbers(
     keep(panel, "panel.png", request)
 
     # a factory that raises: the message shows in the panel, no row is added, and it goes on
-    toggle(panel, "mode", "train")
+    choose(panel, "mode", "train")
     set_number(panel, "batch size", 3)
     panel.locator(".widget-button").get_by_text("Run", exact=True).click()
     wait_for("the error in the panel", lambda: "refuses a batch of 3" in status.inner_text(), 30)
