@@ -166,6 +166,11 @@ def test_plot_draws_the_timeline() -> None:
     assert max(ys) == pytest.approx(300) and ax.get_ylabel() == "B"  # in the unit that fits
     labels = ax.get_legend_handles_labels()[1]
     assert {"allocated", "peak", "forward", "backward", "optimizer"} <= set(labels)
+    # a cell whose value is the figure shows it as an image, without %matplotlib inline
+    from IPython.core.formatters import DisplayFormatter
+
+    data, _ = DisplayFormatter().format(fig)
+    assert data["image/png"][:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_timeline_says_how_to_get_one() -> None:

@@ -20,6 +20,7 @@ import torch
 from torch.cuda import _memory_viz as viz  # torch's snapshot viewer, public functions only
 
 import memlab
+from memlab.examples.recorded import gpu_snapshot
 from memlab.snapshot import SnapshotError, from_dict, load_snapshot
 from memlab.snapshot.synthetic import USER_FILE, training_snapshot
 from memlab.snapshot.trace import reduce
@@ -385,3 +386,15 @@ def test_a_snapshot_without_events_says_so() -> None:
         ValueError, match=r"no allocations or frees to draw.*_record_memory_history"
     ):
         s.chart()
+
+
+def test_a_snapshot_file_recorded_on_a_gpu_reads_as_its_allocator_said() -> None:
+    """memlab.examples.recorded.gpu_snapshot() is what torch.cuda.memory._snapshot() returned on
+    an H100 after a GPT training step (scripts/trace_to_snapshot.py wrote it as _dump_snapshot
+    would); the allocator's own counters of that run are in the trace beside it."""
+    path = gpu_snapshot()
+    _, stats = real(DATA / "trace-gpt-adam.json.gz")
+    s = load_snapshot(path)
+    assert (s.allocated, s.reserved) == (stats["final_allocated"], stats["final_reserved"])
+    assert 0 <= stats["peak_allocated"] - s.peak <= stats["peak_allocated"] // 100
+    assert s.events == 1552

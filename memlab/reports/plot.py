@@ -74,12 +74,28 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
         fig = ax.get_figure()
         assert fig is not None
         return fig, ax  # type: ignore[return-value]
-    # Imported for its side effect in notebooks: it registers how figures display inline.
-    import matplotlib.pyplot  # noqa: F401
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size, layout="constrained", facecolor="none")
+    fig = _figure_class()(figsize=size, layout="constrained", facecolor="none")
     return fig, fig.add_subplot()
+
+
+def _figure_class() -> type[Figure]:
+    """A matplotlib Figure that shows itself as an image when it is a cell's value. A Figure made
+    without pyplot shows only as text ('<Figure size ...>') unless the notebook ran
+    ``%matplotlib inline``; this one says how to draw itself (``_repr_png_``), so memlab
+    registers nothing in the user's shell."""
+    global _SHOWN
+    if _SHOWN is None:
+        from matplotlib.figure import Figure
+
+        class ShownFigure(Figure):
+            def _repr_png_(self) -> bytes:
+                return png(self)
+
+        _SHOWN = ShownFigure
+    return _SHOWN
+
+
+_SHOWN: type[Figure] | None = None
 
 
 def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
