@@ -20,7 +20,8 @@ parameters and optimizer state, the activations, the gathered units). The estima
 gives the categories of the moment it falls in; the other moment is built from the highest
 figure of each category. Checked against 2-rank CPU
 jobs measured by `memlab.distributed` (benchmarks/RESULTS.md). Not modelled: the communication
-libraries' own buffers (NCCL), the allocator's cache on each rank.
+libraries' own buffers (NCCL), the allocator's cache on each rank. The rule lives in
+`memlab.step.ranks` (what-if runs with a ``world_size`` use it too); its names stay importable here.
 """
 
 from __future__ import annotations
