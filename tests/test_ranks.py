@@ -188,3 +188,24 @@ def test_a_simulated_gpu_predicts_one_ranks_figures() -> None:
     assert r.report is not None and overhead(r.report) > 0  # the cuBLAS workspace at least
     assert fit_and_peak(r) == (True, r.ranks.total + overhead(r.report))
     assert "derived from the prediction for T4" in ex.table.value
+
+
+def test_a_model_too_big_for_one_gpu_fits_sharded_over_eight() -> None:
+    # 24 layers of 8192 × 8192 on meta: 6 GiB of parameters, 30 GiB at the step's peak
+    def big() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(24)])
+
+    def batch(n: int) -> torch.Tensor:
+        return torch.randn(n, 8192)
+
+    params = 24 * (8192 * 8192 + 8192) * 4
+    ex = memlab.Explorer(big, batch, config=RunConfig(batch_size=8))
+    ex.simulate.value = "T4"
+    alone = ex.run()
+    assert alone is not None and alone.oom and "predicted not to fit on T4" in ex.message
+    ex.world_size.value, ex.sharding.value = 8, "fsdp"
+    r = ex.run()
+    assert r is not None and r.ranks is not None and not r.oom
+    assert r.ranks.by_category[Category.PARAMETER] == -(-params // 8)
+    assert r.ranks.by_category[Category.OPTIMIZER_STATE] == -(-2 * params // 8)
+    assert r.report is not None and "would not fit on one T4" in str(r)

@@ -9,6 +9,8 @@ peak: the cuBLAS workspace, rounding and the cache), since each rank's own cache
 
 from __future__ import annotations
 
+import dataclasses
+
 from memlab.estimate import Estimate, per_rank
 from memlab.estimate.gpus import GPU
 from memlab.reports.report import MemoryReport
@@ -42,7 +44,14 @@ def predicted(e: Estimate, config: RunConfig, card: GPU) -> RunResult:
         return RunResult(config, e.report, oom=not fits, error=error, predicted_for=card.name)
     strategy, reshard = RULE[config.sharding]
     ranks = per_rank(e, config.world_size, strategy, reshard_after_forward=reshard)
-    extra = overhead(e.report)
+    extra, report = overhead(e.report), e.report
+    if e.oom:  # the whole step on one card ran out: its allocator overhead is not known
+        said = (
+            f"the whole step would not fit on one {card.name}; one rank is judged by its tensors "
+            "alone (the allocator overhead of a step that ran out is not known)"
+        )
+        report = dataclasses.replace(report, notes=(*report.notes, said))
+        extra = 0
     held = ranks.total + extra
     error = None
     if held > budget:
@@ -52,7 +61,7 @@ def predicted(e: Estimate, config: RunConfig, card: GPU) -> RunResult:
         )
     return RunResult(
         config,
-        e.report,
+        report,
         oom=held > budget,
         error=error,
         predicted_for=card.name,
