@@ -13,6 +13,7 @@ from torch import nn
 import memlab
 from memlab.core.categories import Category
 from memlab.panel.ranks import fit_and_peak, overhead
+from memlab.reports.units import fmt_bytes
 from memlab.step import Comparison, RunConfig, RunResult, WhatIfError, run
 from memlab.step.rank_view import HEAD
 
@@ -117,6 +118,10 @@ def test_the_report_and_the_comparison_show_one_ranks_figures() -> None:
     for name in HEAD[2:]:
         assert name in str(c) and name in c._repr_html_()
     json.dumps(c.to_dict())
+    # the chart draws one rank's bytes for a run over ranks (what its budget judges)
+    fig = c.plot()
+    drawn = [t.get_text() for t in fig.axes[0].texts]
+    assert drawn == [fmt_bytes(one.peak), fmt_bytes(two.ranks.total)]
     alone = Comparison([one])  # one rank only: no per-rank table
     assert "peak a rank" not in str(alone) and "peak a rank" not in alone._repr_html_()
 
@@ -160,6 +165,7 @@ def test_the_panel_runs_over_ranks_and_judges_the_budget_per_rank() -> None:
     r = ex.run()
     assert r is not None and r.ranks is not None and r.peak is not None
     assert "fsdp over 2 ranks" in ex.message
+    assert ex.message.endswith(f"one rank peaks at {fmt_bytes(r.ranks.total)} (derived)")
     assert "per rank" in ex.table.value and "derived from the measured step" in ex.table.value
     # a budget between one rank's peak and the whole step's: fits over 2 ranks, not on one
     assert r.ranks.total < r.peak
@@ -209,3 +215,26 @@ def test_a_model_too_big_for_one_gpu_fits_sharded_over_eight() -> None:
     assert r.ranks.by_category[Category.PARAMETER] == -(-params // 8)
     assert r.ranks.by_category[Category.OPTIMIZER_STATE] == -(-2 * params // 8)
     assert r.report is not None and "would not fit on one T4" in str(r)
+
+
+@pytest.mark.slow  # a search: about a dozen steps
+def test_the_largest_batch_is_searched_for_one_rank() -> None:
+    budget = 3 * MiB
+    ex = memlab.Explorer(
+        model,
+        inputs,
+        loss,
+        config=RunConfig(device="cpu", batch_size=BATCH, world_size=2, sharding="fsdp"),
+    )
+    ex.budget.value = budget / MiB
+    best = ex.largest_batch()
+    assert best is not None and best > 0 and ex.batch_size.value == best
+
+    def per_rank(batch: int) -> int:
+        r = sharded("fsdp", batch_size=batch)
+        assert r.rank_peak is not None
+        return r.rank_peak
+
+    assert per_rank(best) <= budget < per_rank(best + 1)
+    one = run(model, inputs, loss, RunConfig(device="cpu", batch_size=best))
+    assert one.peak is not None and one.peak > budget  # on one rank, that batch would not fit

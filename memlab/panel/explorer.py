@@ -130,6 +130,8 @@ class Explorer(BudgetLimit):
         done = f"ran {result.config.describe()}"
         if result.predicted_for:
             done = f"predicted {result.config.describe()} on {result.predicted_for}"
+        if result.ranks is not None:  # derived by the rule, not measured on N ranks
+            done += f" · one rank peaks at {fmt_bytes(result.ranks.total)} (derived)"
         self._progress(f"drawing {result.config.describe()}")
         self._redraw()  # the charts first: "ran" means everything is there
         self._say(result.error or done, bool(result.oom))

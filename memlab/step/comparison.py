@@ -15,8 +15,8 @@ from memlab.reports.frame import CELL, GROW, LEFT, heading, note, num_cell, tabl
 from memlab.reports.protocol import Result
 from memlab.reports.text import columns
 from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.step.rank_view import held, sharded, table_html, table_lines
 from memlab.step.rank_view import rows as rank_rows
-from memlab.step.rank_view import sharded, table_html, table_lines
 from memlab.step.result import RunResult
 
 if TYPE_CHECKING:
@@ -202,15 +202,17 @@ class Comparison(Result):
         )
 
     def plot(self, ax: Axes | None = None) -> Figure:
-        """Stacked bars: each run's bytes by category at its peak, numbered as in the table."""
+        """Stacked bars: each run's bytes by category at its peak, numbered as in the table; a
+        run over several ranks draws one rank's (the figure its budget judges)."""
         from memlab.reports.plot import plot_categories
 
         budgets = [r.config.budget for r in self.results if r.config.budget]
         return plot_categories(
-            [
-                r.report.breakdown.at_peak if r.report and r.report.breakdown else {}
-                for r in self.results
-            ],
+            [held(r) or _at_peak(r) for r in self.results],
             ax,
             budget=budgets[-1] if budgets else None,
         )
+
+
+def _at_peak(r: RunResult) -> dict[Category, int]:
+    return dict(r.report.breakdown.at_peak) if r.report and r.report.breakdown else {}

@@ -65,24 +65,32 @@ def when(moment: str | None) -> str:
     return f"during {'the ' if moment == STEP else ''}{moment}"
 
 
+def held(r: RunResult) -> dict[Category, int]:
+    """One rank's bytes by category at its peak, the strategy's buffers counted as
+    communication ({} for one rank)."""
+    if r.ranks is None:
+        return {}
+    by = dict(r.ranks.by_category)
+    by[Category.COMMUNICATION] = by.get(Category.COMMUNICATION, 0) + r.ranks.extra
+    return by
+
+
 def row_of(i: int, r: RunResult) -> RankRow | None:
     """Run ``i``'s row: its per-rank figures, or its own peak for one rank (None without a
     breakdown)."""
     breakdown = r.report.breakdown if r.report else None
     kind = f"predicted for {r.predicted_for}" if r.predicted_for else "measured"
     if r.ranks is not None:
-        m = r.ranks
-        held = dict(m.by_category)
-        held[Category.COMMUNICATION] = held.get(Category.COMMUNICATION, 0) + m.extra
+        m, by = r.ranks, held(r)
         made = f"the prediction for {r.predicted_for}" if r.predicted_for else "the measured step"
         peak, source, moment = m.total, f"derived from {made}", m.moment
         ranks = f"{m.world_size} × {r.config.sharding}"
     elif breakdown is not None and r.peak is not None:
-        held, peak, source, moment = dict(breakdown.at_peak), r.peak, kind, None
+        by, peak, source, moment = dict(breakdown.at_peak), r.peak, kind, None
         ranks = "1"
     else:
         return None
-    cells = [held.get(c, 0) for c, _ in SHOWN]
+    cells = [by.get(c, 0) for c, _ in SHOWN]
     return RankRow(i, ranks, (*cells, max(peak - sum(cells), 0)), peak, source, moment)
 
 
