@@ -238,3 +238,10 @@ def test_the_largest_batch_is_searched_for_one_rank() -> None:
     assert per_rank(best) <= budget < per_rank(best + 1)
     one = run(model, inputs, loss, RunConfig(device="cpu", batch_size=best))
     assert one.peak is not None and one.peak > budget  # on one rank, that batch would not fit
+
+
+def test_estimate_predicts_one_process_and_says_how_to_get_a_ranks_share() -> None:
+    from memlab.estimate import estimate
+
+    with pytest.raises(WhatIfError, match=r"world_size=1, then per_rank\(e, 4, \.\.\.\)"):
+        estimate(model, inputs, loss, batch_size=BATCH, world_size=4, sharding="zero2", gpu="T4")

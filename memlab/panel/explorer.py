@@ -151,8 +151,9 @@ class Explorer(BudgetLimit):
         card = self.card
         if card is None:
             return run(self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn)
+        whole = config.with_(world_size=1, sharding="none")  # the step, then one rank's share
         e = estimate(
-            self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn, gpu=card
+            self.model_fn, self.input_fn, self.loss_fn, whole, step_fn=self.step_fn, gpu=card
         )
         return predicted(e, config, card)  # over several ranks: one rank's figures
 

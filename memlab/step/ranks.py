@@ -26,7 +26,7 @@ from memlab.core.categories import Category
 from memlab.reports.report import Breakdown
 from memlab.reports.units import fmt_bytes
 from memlab.step.checkpoint import blocks
-from memlab.step.config import RunConfig, Sharding
+from memlab.step.config import RunConfig, Sharding, WhatIfError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 STATE = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
@@ -158,3 +158,16 @@ def of_run(
         return None
     strategy, reshard = RULE[config.sharding]
     return divide(breakdown, units, config.world_size, strategy, reshard_after_forward=reshard)
+
+
+def one_process(config: RunConfig) -> None:
+    """For `memlab.estimate.estimate`, which predicts one process's whole step: a WhatIfError
+    that says how to get one rank's figures when ``config`` asks for several ranks."""
+    if config.world_size > 1:
+        n, s = config.world_size, config.sharding
+        raise WhatIfError(
+            f"estimate() predicts the whole step in one process, and world_size={n}: estimate "
+            f"with world_size=1, then per_rank(e, {n}, ...) gives one rank's figures (or use "
+            f"memlab.whatif.run(..., world_size={n}, sharding={str(s)!r}) or the panel, which "
+            "judge one rank)."
+        )
