@@ -14,6 +14,7 @@ import memlab
 from memlab.core.categories import Category
 from memlab.distributed import RankDataError, RankRow, RankTable, check, gather, launch
 from memlab.estimate import Estimate, estimate, model_states, per_rank
+from memlab.step import StepHooks, run
 
 WORLD = 2
 KINDS = ("ddp", "zero1", "fsdp", "fsdp_no_reshard")
@@ -184,6 +185,27 @@ def test_the_estimator_predicts_each_ranks_peak_within_3_percent(
     result = check(RankTable.from_dict(job[kind]["table"]), rank, kind)
     assert result.worst <= 0.03, str(result)
     assert result.to_dict()["measured"] == [r.peak for r in result.measured.rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_what_if_runs_ranks_are_each_measured_ranks_peak_within_3_percent(
+    job: dict[str, Any], kind: str
+) -> None:
+    # the step measured in this one process, divided by the per-rank rule (world_size=2), set
+    # beside the peaks the 2-rank gloo job measured; foreach Adam, as the job's
+    r = run(
+        _model,
+        _input,
+        _loss,
+        batch_size=BATCH,
+        world_size=WORLD,
+        sharding=kind,
+        hooks=StepHooks(foreach=True),
+    )
+    assert r.ranks is not None
+    result = check(RankTable.from_dict(job[kind]["table"]), r.ranks, kind)
+    assert result.worst <= 0.03, str(result)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from memlab.reports.protocol import Result
 from memlab.snapshot import from_dict
 from memlab.snapshot.synthetic import training_snapshot
 from memlab.step.comparison import Comparison
+from memlab.step.ranks import divide
 from memlab.whatif import RunConfig, RunResult
 
 MiB = 1024**2
@@ -83,6 +84,19 @@ def comparison(label: str = "") -> Comparison:
     return Comparison(
         [run_result(4), run_result(8), run_result(8, predicted_for="T4" + label), oom]
     )
+
+
+def sharded_run(predicted_for: str | None = None) -> RunResult:
+    """A run over 2 ranks with FSDP: its step divided by the per-rank rule."""
+    config = RunConfig(device="cpu", batch_size=4, world_size=2, sharding="fsdp")
+    r = report(None)
+    assert r.breakdown is not None
+    ranks = divide(r.breakdown, (MiB // 4,) * 4, 2, "fsdp")
+    return RunResult(config, r, predicted_for=predicted_for, ranks=ranks)
+
+
+def sharded_comparison(label: str = "") -> Comparison:
+    return Comparison([run_result(4), sharded_run(), sharded_run("T4" + label)])
 
 
 def an_estimate(label: str | None = None) -> Estimate:
@@ -199,6 +213,8 @@ RESULTS: dict[str, Callable[[], Result]] = {
         series=(2 * MiB, 4 * MiB, 6 * MiB),
     ),
     "comparison": comparison,
+    "run_result_ranks": sharded_run,
+    "comparison_ranks": sharded_comparison,
     "estimate": an_estimate,
     "strategy_table": lambda: strategies(an_estimate(), 4),
     "retained_report": retained,
@@ -274,6 +290,7 @@ def test_the_strategy_table_keeps_compare_for_one_release() -> None:
         lambda: history(EVIL),
         lambda: run_result(predicted_for=EVIL),
         lambda: comparison(EVIL),
+        lambda: sharded_comparison(EVIL),
         lambda: an_estimate(EVIL),
         lambda: retained(EVIL),
         lambda: graph(EVIL),

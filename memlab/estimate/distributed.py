@@ -20,12 +20,13 @@ parameters and optimizer state, the activations, the gathered units). The estima
 gives the categories of the moment it falls in; the other moment is built from the highest
 figure of each category. Checked against 2-rank CPU
 jobs measured by `memlab.distributed` (benchmarks/RESULTS.md). Not modelled: the communication
-libraries' own buffers (NCCL), the allocator's cache on each rank.
+libraries' own buffers (NCCL), the allocator's cache on each rank. The rule lives in
+`memlab.step.ranks` (what-if runs with a ``world_size`` use it too); its names stay importable here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from memlab.core.categories import Category
@@ -33,47 +34,21 @@ from memlab.estimate.result import Estimate
 from memlab.reports.frame import NAME, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
+from memlab.step.ranks import FORWARD, SHARDED, STATE, STEP, STRATEGIES, RankMemory, divide
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-STATE = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
-#: What each strategy shards.
-SHARDED = {
-    "ddp": (),
-    "zero1": (Category.OPTIMIZER_STATE,),
-    "zero2": (Category.OPTIMIZER_STATE, Category.GRADIENT),
-    "zero3": STATE,
-    "fsdp": STATE,
-}
-STEP, FORWARD = "optimizer step", "forward and backward"
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """What one rank holds at its peak under a strategy, by category (bytes)."""
-
-    strategy: str
-    world_size: int
-    by_category: dict[Category, int]
-    #: Buffers the strategy adds: DDP's buckets, FSDP's gathered units.
-    extra: int
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    #: When the peak falls: "optimizer step", or "forward and backward" (activations held).
-    moment: str = STEP
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_category.values()) + self.extra
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "world_size": self.world_size,
-            "by_category": {c.value: b for c, b in self.by_category.items()},
-            "extra": self.extra,
-            "total": self.total,
-            "moment": self.moment,
-            "notes": list(self.notes),
-        }
+__all__ = [
+    "FORWARD",
+    "SHARDED",
+    "STATE",
+    "STEP",
+    "STRATEGIES",
+    "RankMemory",
+    "StrategyTable",
+    "compare",
+    "model_states",
+    "per_rank",
+    "strategies",
+]
 
 
 def per_rank(
@@ -84,56 +59,19 @@ def per_rank(
     bucket_view: bool = False,
     reshard_after_forward: bool = True,
 ) -> RankMemory:
-    """One rank's memory at its peak for ``strategy`` over ``world_size`` GPUs."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}.")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number ≥ 1, not {world_size!r}.")
+    """One rank's memory at its peak for ``strategy`` over ``world_size`` GPUs (the rule:
+    `memlab.step.ranks.divide`, with the estimate's breakdown and FSDP units)."""
     breakdown = estimate.tensors.breakdown
     if breakdown is None:
         raise ValueError("the estimate has no breakdown to divide.")
-    n = world_size
-    sharded = SHARDED[strategy]
-    at_peak = {c: b for c, b in breakdown.at_peak.items() if b}
-    highest = breakdown.highest
-
-    # The estimate's own peak: in the optimizer step when no activation is alive at it; its
-    # temporaries are then the optimizer's, which shrink with the optimizer state.
-    in_step = not at_peak.get(Category.ACTIVATION)
-    if in_step and Category.OPTIMIZER_STATE in sharded:
-        sharded = (*sharded, Category.TEMPORARY)
-
-    def share(c: Category, b: int) -> int:
-        return -(-b // n) if c in sharded else b
-
-    state = {c: highest.get(c, 0) for c in STATE}
-    if in_step:
-        step = {c: share(c, b) for c, b in at_peak.items()}
-        forward = {c: share(c, state[c]) for c in (Category.PARAMETER, Category.OPTIMIZER_STATE)}
-        forward[Category.ACTIVATION] = highest.get(Category.ACTIVATION, 0)
-    else:
-        forward = {c: share(c, b) for c, b in at_peak.items()}
-        step = {c: share(c, b) for c, b in state.items()}
-    notes = []
-    buckets = 0
-    if strategy in ("ddp", "zero1") and not bucket_view:
-        buckets = highest.get(Category.GRADIENT, 0)
-        notes.append("DDP's gradient buckets: as large as the gradients")
-    gathered = 0
-    if strategy in ("zero3", "fsdp") and n > 1:
-        unit = max(estimate.fsdp_units, default=highest.get(Category.PARAMETER, 0))
-        held = 2 * unit if reshard_after_forward else state[Category.PARAMETER]
-        gathered = held + 2 * unit
-        what = "two units" if reshard_after_forward else "every unit (no reshard after forward)"
-        notes.append(
-            f"while activations are held: {what} gathered, and two all-gather buffers of the "
-            f"largest unit ({fmt_bytes(unit)})"
-        )
-    cats, extra, moment = step, buckets, STEP
-    if sum(forward.values()) + buckets + gathered > sum(step.values()) + buckets:
-        cats, extra, moment = forward, buckets + gathered, FORWARD
-    by_category = {c: b for c, b in cats.items() if b}
-    return RankMemory(strategy, n, by_category, extra, tuple(notes), moment)
+    return divide(
+        breakdown,
+        estimate.fsdp_units,
+        world_size,
+        strategy,
+        bucket_view=bucket_view,
+        reshard_after_forward=reshard_after_forward,
+    )
 
 
 #: The categories a table shows, in order (those no strategy holds any of are left out).

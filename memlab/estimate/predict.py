@@ -47,6 +47,7 @@ from memlab.reports.report import MemoryReport, Timeline
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
 from memlab.step.model import config_of
+from memlab.step.ranks import one_process
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
 #: What an estimate cannot see, said in every estimate's notes.
@@ -87,6 +88,7 @@ def estimate(
     >>> e.fits(), e.peak_allocated, e.peak_reserved
     """
     config = config_of(config, settings).with_(device="meta", budget=None)
+    one_process(config)  # one rank's share: per_rank(estimate, ...) divides this estimate
     card = find_gpu(gpu)
     if workspace is None:
         workspace = 0 if card is None else card.workspace

@@ -10,7 +10,7 @@ import ipywidgets as w
 from memlab.estimate.gpus import GPUS
 from memlab.panel.limit import mib
 from memlab.panel.search import MAX_BATCH
-from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig
+from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig, Sharding
 
 #: The "simulate a GPU" choice that measures on this machine instead.
 HERE = "no: measure here"
@@ -75,6 +75,23 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     self.simulate.observe(lambda _: self._follow_gpu(), names="value")
     self.custom_gib.observe(lambda _: self._follow_gpu(), names="value")
     self.budget.observe(self._budget_typed, names="value")
+    # data parallelism: ranks, and how they share the model (shown from 2 ranks); a run's
+    # per-rank figures are its step divided by the sharding's rule (memlab.step.ranks)
+    self.world_size = w.BoundedIntText(
+        value=c.world_size, min=1, max=65536, description="ranks (GPUs)", style=style
+    )
+    self.sharding = w.Dropdown(
+        options=Sharding.values()[1:],  # "none" is one rank
+        value=str(c.sharding) if c.world_size > 1 else str(Sharding.DDP),
+        description="sharding",
+        style=style,
+    )
+
+    def show_sharding(change: dict[str, Any]) -> None:
+        self.sharding.layout.display = "" if change["new"] > 1 else "none"
+
+    show_sharding({"new": c.world_size})
+    self.world_size.observe(show_sharding, names="value")
     self.limit = w.HTML()
     self.limit.add_class("memlab-limit")
     fit = w.Layout(width="auto")  # buttons as wide as their labels
@@ -110,6 +127,8 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
                             self.budget,
                             self.simulate,
                             self.custom_gib,
+                            self.world_size,
+                            self.sharding,
                             self.limit,
                         ]
                     ),
@@ -141,4 +160,6 @@ def controls(self: Any) -> list[Any]:
         self.budget,
         self.simulate,
         self.custom_gib,
+        self.world_size,
+        self.sharding,
     ]

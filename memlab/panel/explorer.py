@@ -19,6 +19,7 @@ from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.limit import MUTED, BudgetLimit
+from memlab.panel.ranks import fit_and_peak, predicted
 from memlab.panel.search import MAX_BATCH, predicted_batch
 from memlab.panel.views import bars, png, runs_table
 from memlab.panel.work import Work
@@ -36,7 +37,9 @@ class Explorer(BudgetLimit):
     """The what-if panel: change AMP, checkpointing, no_grad, the batch size, accumulation and
     the optimizer, press Run, and compare what each step peaks at and what it is made of;
     "Largest batch that fits" searches the batch size under a budget; "simulate a GPU" predicts
-    for a GPU you do not have (`memlab.estimate`) instead of measuring here.
+    for a GPU you do not have (`memlab.estimate`) instead of measuring here. "ranks (GPUs)" and
+    "sharding" show one rank's figures under DDP, ZeRO or FSDP: this process's step divided by
+    the strategy's rule (`memlab.step.ranks`), labelled as derived, not measured on N ranks.
 
     model_fn(): builds the model on the device to measure (a new one each run keeps runs apart).
     input_fn(batch_size): one batch: a tensor, a tuple of arguments, or a dict of keyword
@@ -64,6 +67,8 @@ class Explorer(BudgetLimit):
     budget: w.BoundedFloatText
     simulate: w.Dropdown
     custom_gib: w.BoundedFloatText
+    world_size: w.BoundedIntText
+    sharding: w.Dropdown
     limit: w.HTML
     run_button: w.Button
     fit_button: w.Button
@@ -107,6 +112,8 @@ class Explorer(BudgetLimit):
             accumulation=int(self.accumulation.value),
             optimizer=self.optimizer.value,
             budget=budget,
+            world_size=int(self.world_size.value),
+            sharding=self.sharding.value if self.world_size.value > 1 else "none",
         )
 
     def run(self) -> RunResult | None:
@@ -123,6 +130,8 @@ class Explorer(BudgetLimit):
         done = f"ran {result.config.describe()}"
         if result.predicted_for:
             done = f"predicted {result.config.describe()} on {result.predicted_for}"
+        if result.ranks is not None:  # derived by the rule, not measured on N ranks
+            done += f" · one rank peaks at {fmt_bytes(result.ranks.total)} (derived)"
         self._progress(f"drawing {result.config.describe()}")
         self._redraw()  # the charts first: "ran" means everything is there
         self._say(result.error or done, bool(result.oom))
@@ -142,20 +151,11 @@ class Explorer(BudgetLimit):
         card = self.card
         if card is None:
             return run(self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn)
+        whole = config.with_(world_size=1, sharding="none")  # the step, then one rank's share
         e = estimate(
-            self.model_fn, self.input_fn, self.loss_fn, config, step_fn=self.step_fn, gpu=card
+            self.model_fn, self.input_fn, self.loss_fn, whole, step_fn=self.step_fn, gpu=card
         )
-        budget = config.budget or card.usable
-        fits = e.fits(budget)
-        error = None
-        if not fits:
-            error = (
-                f"predicted not to fit on {card.name}: {e.notes[0]}"
-                if e.oom
-                else f"predicted peak reserved {fmt_bytes(e.peak_reserved)} exceeds "
-                f"{fmt_bytes(budget)}"
-            )
-        return RunResult(config, e.report, oom=not fits, error=error, predicted_for=card.name)
+        return predicted(e, config, card)  # over several ranks: one rank's figures
 
     def largest_batch(self) -> int | None:
         """The largest batch size whose step fits the budget (or the simulated GPU's memory, or
@@ -186,7 +186,7 @@ class Explorer(BudgetLimit):
             # the same step as a run, warm-up included: with the optimizer's state already in
             # place, a step peaks higher than the very first one
             done[batch] = self._step(config.with_(batch_size=batch))
-            return _fit_and_peak(done[batch])
+            return fit_and_peak(done[batch])
 
         budget = fmt_bytes(config.budget)
 
@@ -270,16 +270,6 @@ class Explorer(BudgetLimit):
         self.timeline.value = png(latest.plot()) if timeline and latest else b""
         for image in (self.chart, self.timeline):  # no broken-image icon where nothing is drawn
             image.layout.display = "" if image.value else "none"
-
-
-def _fit_and_peak(result: RunResult) -> tuple[bool, int | None]:
-    """Whether a step fitted, and the peak its fit was judged by: peak reserved for a predicted
-    step, peak allocated for a measured one. None after an out-of-memory error, real or
-    predicted: the report stops where the memory ran out."""
-    report, error = result.report, result.error or ""
-    if report is None or (result.oom and not error.startswith(("the peak", "predicted peak"))):
-        return not result.oom, None
-    return not result.oom, report.peak_reserved if result.predicted_for else report.peak_allocated
 
 
 def _device_limit(config: RunConfig) -> int | None:

@@ -5,8 +5,17 @@ step (AMP, checkpointing, no_grad, batch, accumulation, optimizer).
 """
 
 from memlab.step.comparison import Comparison
-from memlab.step.config import Amp, Mode, Optimizer, Retention, RunConfig, WhatIfError
+from memlab.step.config import (
+    Amp,
+    Mode,
+    Optimizer,
+    Retention,
+    RunConfig,
+    Sharding,
+    WhatIfError,
+)
 from memlab.step.model import blocks
+from memlab.step.ranks import RankMemory
 from memlab.step.result import RunResult
 from memlab.step.run import StepHooks, run
 
@@ -15,9 +24,11 @@ __all__ = [
     "Comparison",
     "Mode",
     "Optimizer",
+    "RankMemory",
     "Retention",
     "RunConfig",
     "RunResult",
+    "Sharding",
     "StepHooks",
     "WhatIfError",
     "blocks",

@@ -15,6 +15,8 @@ from memlab.reports.frame import CELL, GROW, LEFT, heading, note, num_cell, tabl
 from memlab.reports.protocol import Result
 from memlab.reports.text import columns
 from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.step.rank_view import held, sharded, table_html, table_lines
+from memlab.step.rank_view import rows as rank_rows
 from memlab.step.result import RunResult
 
 if TYPE_CHECKING:
@@ -149,6 +151,7 @@ class Comparison(Result):
                 for r, row in zip(self.results, self.rows(), strict=True)
             ],
             "baselines": [{"run": i, "predicted_for": k} for k, i in self.baselines.items()],
+            "per_rank": [row.to_dict() for row in rank_rows(self.results)],
         }
 
     def text(self) -> str:
@@ -168,7 +171,10 @@ class Comparison(Result):
             for row in self.rows()
         ]
         lines = [self.title, *columns(HEAD, rows, align="rlrrrrrl")]
-        return "\n".join(lines + [f"  {n}" for n in self.notes()])
+        lines += [f"  {n}" for n in self.notes()]
+        if sharded(self.results):  # a run over several ranks: one rank's figures
+            lines += table_lines(self.results)
+        return "\n".join(lines)
 
     def html(self) -> str:
         if not self.results:
@@ -192,18 +198,21 @@ class Comparison(Result):
             heading(self.title)
             + table(HEAD, cells, "memlab-runs")
             + "".join(f"\n{note(n)}" for n in self.notes())
+            + (f"\n{table_html(self.results)}" if sharded(self.results) else "")
         )
 
     def plot(self, ax: Axes | None = None) -> Figure:
-        """Stacked bars: each run's bytes by category at its peak, numbered as in the table."""
+        """Stacked bars: each run's bytes by category at its peak, numbered as in the table; a
+        run over several ranks draws one rank's (the figure its budget judges)."""
         from memlab.reports.plot import plot_categories
 
         budgets = [r.config.budget for r in self.results if r.config.budget]
         return plot_categories(
-            [
-                r.report.breakdown.at_peak if r.report and r.report.breakdown else {}
-                for r in self.results
-            ],
+            [held(r) or _at_peak(r) for r in self.results],
             ax,
             budget=budgets[-1] if budgets else None,
         )
+
+
+def _at_peak(r: RunResult) -> dict[Category, int]:
+    return dict(r.report.breakdown.at_peak) if r.report and r.report.breakdown else {}

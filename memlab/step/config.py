@@ -57,6 +57,18 @@ class Optimizer(Choice):
     ADAMW = "adamw"
 
 
+class Sharding(Choice):
+    """How ``world_size`` data-parallel ranks share the model's state (`memlab.step.ranks`)."""
+
+    NONE = "none"  # one rank
+    DDP = "ddp"  # every rank holds everything, and DDP's gradient buckets
+    ZERO1 = "zero1"  # optimizer state sharded
+    ZERO2 = "zero2"  # gradients too
+    ZERO3 = "zero3"  # parameters too
+    FSDP = "fsdp"  # FSDP2's fully_shard: parameters, gradients, state; reshard after forward
+    FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
+
+
 #: Kept for one release: the choices as tuples of strings.
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
@@ -82,6 +94,10 @@ class RunConfig:
     optimizer: "sgd", "sgd_momentum", "adam" or "adamw".
     device: where the model and inputs are expected (None: CUDA if available, else the CPU).
     budget: bytes; a run whose peak exceeds it is reported as out of memory.
+    world_size: data-parallel ranks (GPUs); ``batch_size`` is then each rank's batch.
+    sharding: how the ranks share the model's state: "none" (one rank), "ddp", "zero1",
+        "zero2", "zero3", "fsdp" or "fsdp_no_reshard" (`Sharding`). The run's per-rank figures
+        are this process's step divided by `memlab.step.ranks`'s rule, not measured on N ranks.
     """
 
     amp: Amp = Amp.OFF
@@ -98,6 +114,8 @@ class RunConfig:
     warmup: bool = True
     new_tokens: int = 16
     logits: str = "last"
+    world_size: int = 1
+    sharding: Sharding = Sharding.NONE
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -105,6 +123,7 @@ class RunConfig:
             ("mode", Mode),
             ("retention", Retention),
             ("optimizer", Optimizer),
+            ("sharding", Sharding),
         ):
             object.__setattr__(self, name, kind.parse(name, getattr(self, name), WhatIfError))
         if isinstance(self.checkpoint, str):
@@ -121,7 +140,7 @@ class RunConfig:
             )
         if self.logits not in ("last", "all"):
             raise WhatIfError(f"logits must be 'last' or 'all', not {self.logits!r}.")
-        for name in ("batch_size", "accumulation", "iterations", "new_tokens"):
+        for name in ("batch_size", "accumulation", "iterations", "new_tokens", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WhatIfError(f"{name} must be a whole number ≥ 1, not {value!r}.")
@@ -134,6 +153,7 @@ class RunConfig:
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
+        _check_ranks(self)
 
     @property
     def training(self) -> bool:
@@ -158,6 +178,9 @@ class RunConfig:
             parts.append(f"accumulate {self.accumulation}")
         if self.training:
             parts.append(str(self.optimizer))
+        if self.world_size > 1:
+            parts[parts.index(f"batch {self.batch_size}")] += " a rank"
+            parts.append(f"{self.sharding} over {self.world_size} ranks")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,4 +201,29 @@ class RunConfig:
             "warmup": self.warmup,
             "new_tokens": self.new_tokens,
             "logits": self.logits,
+            "world_size": self.world_size,
+            "sharding": str(self.sharding),
         }
+
+
+def _check_ranks(c: RunConfig) -> None:
+    """world_size and sharding agree, and the step is one the per-rank rule divides."""
+    n, s = c.world_size, c.sharding
+    if n == 1 and s != Sharding.NONE:
+        raise WhatIfError(
+            f"sharding={str(s)!r} needs ranks to shard over, and world_size is 1: pass "
+            "world_size=2 or more, or sharding='none'."
+        )
+    if n > 1 and s == Sharding.NONE:
+        raise WhatIfError(
+            f"world_size={n} with sharding='none': pass how the ranks share the model, "
+            "sharding='ddp' (every rank holds everything), 'zero1', 'zero2', 'zero3', 'fsdp' or "
+            "'fsdp_no_reshard', or world_size=1."
+        )
+    if n > 1 and not c.training:
+        what = f"mode={str(c.mode)!r}" if c.retention == Retention.OFF else "the retention run"
+        raise WhatIfError(
+            f"world_size={n} divides a training step's state among ranks, and {what} is not "
+            "one: use mode='train' (and retention='off'), or world_size=1 (a forward alone is "
+            "the same on every rank)."
+        )

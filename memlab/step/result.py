@@ -11,6 +11,8 @@ from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
 from memlab.step.config import RunConfig
+from memlab.step.rank_view import run_html, run_lines
+from memlab.step.ranks import RankMemory
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,14 @@ class RunResult(Result):
     #: An out-of-memory explained: the cache, what was live, the levers (with
     #: `StepHooks.on_oom`, e.g. the estimator's `run_levers`).
     explanation: OOMExplanation | None = None
+    #: One rank's memory for ``config.world_size`` > 1: this process's step divided by the
+    #: sharding's rule (`memlab.step.ranks`), not measured on that many ranks.
+    ranks: RankMemory | None = None
+
+    @property
+    def rank_peak(self) -> int | None:
+        """The peak of one rank: ``ranks.total`` when sharded, else the step's own peak."""
+        return self.ranks.total if self.ranks is not None else self.peak
 
     @property
     def peak(self) -> int | None:
@@ -64,6 +74,7 @@ class RunResult(Result):
             "peak": self.peak,
             "report": None if self.report is None else self.report.to_dict(),
             "explanation": None if self.explanation is None else self.explanation.to_dict(),
+            "ranks": None if self.ranks is None else self.ranks.to_dict(),
         }
 
     def text(self) -> str:
@@ -73,6 +84,7 @@ class RunResult(Result):
         series = self._series()
         if series:
             lines.append(f"  {series}")
+        lines += run_lines(self)
         if self.report is not None:
             lines.append(self.report.text())
         if self.explanation is not None:
@@ -86,6 +98,7 @@ class RunResult(Result):
         series = self._series()
         if series:
             parts.append(note(series))
+        parts += filter(None, [run_html(self)])
         if self.report is not None:
             parts.append(self.report.html())
         if self.explanation is not None:

@@ -36,6 +36,7 @@ from memlab.step.model import (
     resolve_device,
     restored,
 )
+from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
 
@@ -126,6 +127,7 @@ def run(
             "The model has no trainable parameters, so a training step has nothing to do: use "
             "mode='no_grad', or unfreeze some parameters."
         )
+    units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
     with restored(model, weights=training), checkpointed(model, config.checkpoint) as chosen:
         opt = optimizer(model, config, hooks.foreach) if training else None
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
@@ -177,13 +179,16 @@ def run(
     report = region.report
     if chosen:  # what checkpoint='auto' chose, and what it turned off
         report = dataclasses.replace(report, notes=(*report.notes, *chosen))
-    over = config.budget is not None and report.peak_allocated > config.budget
+    ranks = of_run(config, report.breakdown, units)  # one rank's share, for world_size > 1
+    peak = report.peak_allocated if ranks is None else ranks.total
+    over = config.budget is not None and peak > config.budget
     error = (
-        f"the peak ({report.peak_allocated:,} B) exceeds the budget ({config.budget:,} B)"
+        f"the peak{'' if ranks is None else ' a rank'} ({peak:,} B) exceeds the budget "
+        f"({config.budget:,} B)"
         if over
         else None
     )
-    return RunResult(config, report, oom=over, error=error, series=tuple(series))
+    return RunResult(config, report, oom=over, error=error, series=tuple(series), ranks=ranks)
 
 
 def _explained(
