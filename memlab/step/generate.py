@@ -113,8 +113,9 @@ def _pair(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "past_key_values", None)
-    cache = cache if cache is not None else getattr(out, "cache", None)
+    # "cache" first: newer transformers warn when the old name, past_key_values, is read
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else getattr(out, "past_key_values", None)
     if cache is None:
         raise WhatIfError(
             "the model returned no cache (past_key_values) with use_cache=True: "
