@@ -269,3 +269,15 @@ def test_cell_means_what_it_means_without_the_magic(ip: Any, cell: str) -> None:
     tracked = run(ip, "%%gpumem -q\n" + cell)
     assert tracked.success
     assert ip.rec.items[0][1]["text/plain"] == repr(bare)
+
+
+def test_the_same_cell_line_is_parsed_once_and_a_bad_one_refused_every_time() -> None:
+    from IPython.core.error import UsageError
+
+    from memlab.magic.args import parse_cell_line
+
+    assert parse_cell_line("-q -b my label") is parse_cell_line("-q -b my label")
+    assert parse_cell_line("-q -b my label").label == "my label"
+    for _ in range(2):
+        with pytest.raises(UsageError):
+            parse_cell_line("-o 1bad")

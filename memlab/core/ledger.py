@@ -35,6 +35,8 @@ class Ledger:
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
+        #: The storages seen resized in place (`resized`), by serial: the ones `resync` re-reads.
+        self._resizing: dict[int, Entry] = {}
         self._totals: dict[str, int] = {}
         self._listeners: list[Listener] = []
         self._serials = itertools.count()
@@ -181,17 +183,24 @@ class Ledger:
                 for listener in self._listeners:
                     if listener.device == entry.device:
                         listener.on_discovered(entry.serial, before)
+            self._resizing[entry.serial] = entry
             self._grew(entry, storage.nbytes(), time.perf_counter())
 
     def resync(self) -> None:
-        """Re-reads the size of every live storage (a resize while no region was open)."""
+        """Re-reads the size of each live storage seen resized in place before (FSDP resizes
+        the same parameter storages every step), for the resizes made while no region was open.
+        Only those: re-reading every storage would cost about 0.7 µs each at every region (7 ms
+        a cell with 10,000 tensors alive)."""
         with self._lock:
             self.settle()
             now = time.perf_counter()
-            for entry in list(self._entries.values()):
-                storage = entry.ref()
+            for serial, entry in list(self._resizing.items()):
+                storage = entry.ref() if entry.alive else None
+                if storage is None:
+                    del self._resizing[serial]
+                    continue
                 try:
-                    nbytes = storage.nbytes() if storage is not None else entry.nbytes
+                    nbytes = storage.nbytes()
                 except RuntimeError:  # a storage that cannot say (it keeps its last size)
                     continue
                 self._grew(entry, nbytes, now)
@@ -268,6 +277,7 @@ class Ledger:
                 listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
             entry.notified += 1
         del self._entries[ref.key]
+        self._resizing.pop(entry.serial, None)
         self._by_serial.pop(entry.serial, None)
         self._special.pop(entry.serial, None)
 

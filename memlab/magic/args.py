@@ -142,6 +142,7 @@ def variable_name(text: str, magic: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=256)
 def parse_cell_line(line: str) -> Options:
     """The ``%%gpumem`` line: options, then free words that make the label. (Cached: the same
     line comes back cell after cell; a bad line raises every time.)"""
