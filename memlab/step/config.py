@@ -69,6 +69,8 @@ class Sharding(Choice):
     FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
 
 
+#: The levers that are switched on or off (RunConfig fields, True or False).
+LEVER_FLAGS = ("expandable_segments",)
 #: Kept for one release: the choices as tuples of strings.
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
@@ -98,6 +100,8 @@ class RunConfig:
     sharding: how the ranks share the model's state: "none" (one rank), "ddp", "zero1",
         "zero2", "zero3", "fsdp" or "fsdp_no_reshard" (`Sharding`). The run's per-rank figures
         are this process's step divided by `memlab.step.ranks`'s rule, not measured on N ranks.
+    expandable_segments: the CUDA caching allocator with ``expandable_segments:True``: changes
+        reserved memory, not allocated; estimated (`memlab.estimate.expandable`), not measured.
     """
 
     amp: Amp = Amp.OFF
@@ -116,6 +120,8 @@ class RunConfig:
     logits: str = "last"
     world_size: int = 1
     sharding: Sharding = Sharding.NONE
+    # levers (memlab.step.levers): each changes one thing, named after it
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -151,6 +157,9 @@ class RunConfig:
             )
         if self.budget is not None and self.budget <= 0:
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
+        for name in LEVER_FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise WhatIfError(f"{name} must be True or False, not {getattr(self, name)!r}.")
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
@@ -181,6 +190,7 @@ class RunConfig:
         if self.world_size > 1:
             parts[parts.index(f"batch {self.batch_size}")] += " a rank"
             parts.append(f"{self.sharding} over {self.world_size} ranks")
+        parts += [name.replace("_", " ") for name in LEVER_FLAGS if getattr(self, name)]
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +213,7 @@ class RunConfig:
             "logits": self.logits,
             "world_size": self.world_size,
             "sharding": str(self.sharding),
+            **{name: getattr(self, name) for name in LEVER_FLAGS},
         }
 
 

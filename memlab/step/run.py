@@ -27,6 +27,7 @@ from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
+from memlab.step.levers import lever_notes
 from memlab.step.model import (
     call,
     check_device,
@@ -157,6 +158,7 @@ def run(
                 kept, series = step(functools.partial(_mark, region))
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept))
+            chosen += lever_notes(config, device)
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")

@@ -1,0 +1,42 @@
+"""The panel's lever toggles, one per RunConfig lever field (`memlab.step.levers`), in one box:
+built onto the Explorer as attributes (``explorer.expandable_segments``), read back into the
+configuration by `lever_values`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as w
+
+from memlab.step import RunConfig
+
+#: (RunConfig field, the toggle's label, its tooltip)
+TOGGLES = (
+    (
+        "expandable_segments",
+        "expandable segments",
+        "CUDA's allocator maps pages into one growing segment: changes reserved memory, "
+        "not allocated (predicted when a GPU is simulated)",
+    ),
+)
+
+
+def build_levers(self: Any, c: RunConfig) -> w.VBox:
+    """The toggles, as attributes of the Explorer ``self``; returns their box."""
+    boxes = []
+    for name, label, tip in TOGGLES:
+        box = w.Checkbox(value=bool(getattr(c, name)), description=label, indent=False)
+        box.tooltip = tip
+        setattr(self, name, box)
+        boxes.append(box)
+    return w.VBox([w.HTML("<b>levers</b>"), *boxes])
+
+
+def lever_values(self: Any) -> dict[str, Any]:
+    """The RunConfig fields the toggles set."""
+    return {name: bool(getattr(self, name).value) for name, _, _ in TOGGLES}
+
+
+def lever_controls(self: Any) -> list[Any]:
+    """The toggles, disabled while work runs."""
+    return [getattr(self, name) for name, _, _ in TOGGLES]
