@@ -18,6 +18,12 @@ TOGGLES = (
         "CUDA's allocator maps pages into one growing segment: changes reserved memory, "
         "not allocated (predicted when a GPU is simulated)",
     ),
+    (
+        "optimizer_in_backward",
+        "optimizer step in backward",
+        "each parameter is stepped as soon as its gradient is ready, and the gradient freed: "
+        "no moment holds all the gradients",
+    ),
 )
 
 

@@ -70,7 +70,7 @@ class Sharding(Choice):
 
 
 #: The levers that are switched on or off (RunConfig fields, True or False).
-LEVER_FLAGS = ("expandable_segments",)
+LEVER_FLAGS = ("expandable_segments", "optimizer_in_backward")
 #: Kept for one release: the choices as tuples of strings.
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
@@ -122,6 +122,7 @@ class RunConfig:
     sharding: Sharding = Sharding.NONE
     # levers (memlab.step.levers): each changes one thing, named after it
     expandable_segments: bool = False
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -160,6 +161,14 @@ class RunConfig:
         for name in LEVER_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise WhatIfError(f"{name} must be True or False, not {getattr(self, name)!r}.")
+        if self.optimizer_in_backward and self.mode == Mode.TRAIN and (
+            self.accumulation > 1 or self.amp == Amp.FP16
+        ):
+            raise WhatIfError(
+                "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
+                "it cannot accumulate micro-batches or unscale fp16 gradients first; use "
+                "accumulation=1 and amp 'off' or 'bf16'."
+            )
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)

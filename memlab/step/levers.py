@@ -4,13 +4,75 @@ applied for a run and taken away after it.
 - ``expandable_segments``: the CUDA caching allocator's setting. It is read once, when CUDA
   starts (``PYTORCH_CUDA_ALLOC_CONF``), and memlab never changes the environment: a measured run
   says so in its notes; the estimator models it (`memlab.estimate.expandable`).
+- ``optimizer_in_backward``: one optimizer per parameter, stepped by a hook
+  (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) as soon as backward has
+  accumulated that parameter's gradient, which is then freed: the step never holds all the
+  gradients at once (PyTorch's tutorial "How to save memory by fusing the optimizer step into
+  the backward pass").
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+from torch import nn
 
 from memlab.step.config import RunConfig
+from memlab.step.model import optimizer
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """The optimizer of a step whose parameters are stepped in backward, each by its own
+    optimizer; ``step()`` and ``zero_grad()`` have nothing left to do."""
+
+    def __init__(self, params: list[nn.Parameter], make: Callable[[nn.Module], Any]) -> None:
+        super().__init__(params, {})
+        self.inner: dict[int, torch.optim.Optimizer] = {}
+        self.handles = []
+        for p in params:
+            holder = nn.Module()  # optimizer() takes a model: one holding just this parameter
+            holder.p = p
+            self.inner[id(p)] = make(holder)
+            self.handles.append(p.register_post_accumulate_grad_hook(self._stepped))
+
+    def _stepped(self, p: torch.Tensor) -> None:
+        opt = self.inner[id(p)]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+@contextlib.contextmanager
+def stepping(
+    model: nn.Module, config: RunConfig, foreach: bool | None
+) -> Iterator[torch.optim.Optimizer | None]:
+    """The step's optimizer (None when it does not train); with ``optimizer_in_backward``, a
+    `StepInBackward` whose hooks are removed at the end."""
+    if not config.training:
+        yield None
+        return
+    if not config.optimizer_in_backward:
+        yield optimizer(model, config, foreach)
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = StepInBackward(params, lambda holder: optimizer(holder, config, foreach))
+    try:
+        yield fused
+    finally:
+        fused.remove()
 
 
 def lever_notes(config: RunConfig, device: torch.device) -> list[str]:
