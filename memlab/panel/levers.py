@@ -10,7 +10,8 @@ import ipywidgets as w
 
 from memlab.step import RunConfig
 
-#: (RunConfig field, the toggle's label, its tooltip)
+#: (RunConfig field, the toggle's label, its tooltip); a field that is not True or False has
+#: its (on, off) values in `VALUES`.
 TOGGLES = (
     (
         "expandable_segments",
@@ -24,14 +25,22 @@ TOGGLES = (
         "each parameter is stepped as soon as its gradient is ready, and the gradient freed: "
         "no moment holds all the gradients",
     ),
+    (
+        "optimizer_state_bits",
+        "8-bit optimizer state",
+        "Adam's two states in bitsandbytes' 8-bit layout (a byte per element, a scale per 256): "
+        "its bytes are modelled, not bitsandbytes itself, which needs CUDA",
+    ),
 )
+VALUES: dict[str, tuple[Any, Any]] = {"optimizer_state_bits": (8, 32)}
 
 
 def build_levers(self: Any, c: RunConfig) -> w.VBox:
     """The toggles, as attributes of the Explorer ``self``; returns their box."""
     boxes = []
     for name, label, tip in TOGGLES:
-        box = w.Checkbox(value=bool(getattr(c, name)), description=label, indent=False)
+        on, _ = VALUES.get(name, (True, False))
+        box = w.Checkbox(value=getattr(c, name) == on, description=label, indent=False)
         box.tooltip = tip
         setattr(self, name, box)
         boxes.append(box)
@@ -40,7 +49,10 @@ def build_levers(self: Any, c: RunConfig) -> w.VBox:
 
 def lever_values(self: Any) -> dict[str, Any]:
     """The RunConfig fields the toggles set."""
-    return {name: bool(getattr(self, name).value) for name, _, _ in TOGGLES}
+    return {
+        name: VALUES.get(name, (True, False))[0 if getattr(self, name).value else 1]
+        for name, _, _ in TOGGLES
+    }
 
 
 def lever_controls(self: Any) -> list[Any]:

@@ -123,6 +123,7 @@ class RunConfig:
     # levers (memlab.step.levers): each changes one thing, named after it
     expandable_segments: bool = False
     optimizer_in_backward: bool = False
+    optimizer_state_bits: int = 32
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -161,8 +162,22 @@ class RunConfig:
         for name in LEVER_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise WhatIfError(f"{name} must be True or False, not {getattr(self, name)!r}.")
-        if self.optimizer_in_backward and self.mode == Mode.TRAIN and (
-            self.accumulation > 1 or self.amp == Amp.FP16
+        if self.optimizer_state_bits not in (32, 8) or isinstance(self.optimizer_state_bits, bool):
+            raise WhatIfError(
+                f"optimizer_state_bits must be 32 or 8, not {self.optimizer_state_bits!r}."
+            )
+        if self.optimizer_state_bits == 8 and self.optimizer not in (
+            Optimizer.ADAM,
+            Optimizer.ADAMW,
+        ):
+            raise WhatIfError(
+                f"optimizer_state_bits=8 is bitsandbytes' Adam8bit / AdamW8bit layout: use "
+                f"optimizer 'adam' or 'adamw', not {str(self.optimizer)!r}."
+            )
+        if (
+            self.optimizer_in_backward
+            and self.mode == Mode.TRAIN
+            and (self.accumulation > 1 or self.amp == Amp.FP16)
         ):
             raise WhatIfError(
                 "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
@@ -200,6 +215,7 @@ class RunConfig:
             parts[parts.index(f"batch {self.batch_size}")] += " a rank"
             parts.append(f"{self.sharding} over {self.world_size} ranks")
         parts += [name.replace("_", " ") for name in LEVER_FLAGS if getattr(self, name)]
+        parts += ["8-bit optimizer state"] if self.optimizer_state_bits == 8 else []
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +239,7 @@ class RunConfig:
             "world_size": self.world_size,
             "sharding": str(self.sharding),
             **{name: getattr(self, name) for name in LEVER_FLAGS},
+            "optimizer_state_bits": self.optimizer_state_bits,
         }
 
 

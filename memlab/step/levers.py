@@ -9,6 +9,8 @@ applied for a run and taken away after it.
   accumulated that parameter's gradient, which is then freed: the step never holds all the
   gradients at once (PyTorch's tutorial "How to save memory by fusing the optimizer step into
   the backward pass").
+- ``optimizer_state_bits=8``: Adam's two states in bitsandbytes' 8-bit block-wise layout
+  (`memlab.step.adam8bit`): one byte per element each, a float32 scale per block of 256.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.step.config import RunConfig
+from memlab.step.adam8bit import Adam8bit
+from memlab.step.config import Optimizer, RunConfig
 from memlab.step.model import optimizer
 
 
@@ -55,6 +58,18 @@ class StepInBackward(torch.optim.Optimizer):
         self.handles.clear()
 
 
+def make_optimizer(
+    model: nn.Module, config: RunConfig, foreach: bool | None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config`` names; with ``optimizer_state_bits=8``, `Adam8bit` (AdamW with
+    bitsandbytes' AdamW8bit default weight decay, 0.01)."""
+    if config.optimizer_state_bits != 8:
+        return optimizer(model, config, foreach)
+    params = [p for p in model.parameters() if p.requires_grad]
+    adamw = config.optimizer == Optimizer.ADAMW
+    return Adam8bit(params, lr=config.lr, weight_decay=0.01 if adamw else 0.0, decoupled=adamw)
+
+
 @contextlib.contextmanager
 def stepping(
     model: nn.Module, config: RunConfig, foreach: bool | None
@@ -65,10 +80,10 @@ def stepping(
         yield None
         return
     if not config.optimizer_in_backward:
-        yield optimizer(model, config, foreach)
+        yield make_optimizer(model, config, foreach)
         return
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = StepInBackward(params, lambda holder: optimizer(holder, config, foreach))
+    fused = StepInBackward(params, lambda holder: make_optimizer(holder, config, foreach))
     try:
         yield fused
     finally:
@@ -87,5 +102,12 @@ def lever_notes(config: RunConfig, device: torch.device) -> list[str]:
         notes.append(
             "expandable_segments changes the CUDA caching allocator's reserved memory: "
             f"{where}; simulate a GPU to predict it"
+        )
+    if config.optimizer_state_bits == 8 and config.training:
+        notes.append(
+            "8-bit optimizer state: bitsandbytes' Adam8bit layout (1 byte per element per state, "
+            "a float32 scale per block of 256) modelled by its storage bytes, its update computed "
+            "in torch (bitsandbytes needs CUDA): the state's bytes are bitsandbytes', the step's "
+            "temporaries are not"
         )
     return notes
