@@ -31,8 +31,17 @@ TOGGLES = (
         "Adam's two states in bitsandbytes' 8-bit layout (a byte per element, a scale per 256): "
         "its bytes are modelled, not bitsandbytes itself, which needs CUDA",
     ),
+    (
+        "checkpoint_saves",
+        "checkpoints keep matmuls",
+        "selective checkpointing: checkpointed blocks keep their matrix products' outputs and "
+        "recompute the rest (with checkpointing on; torch >= 2.4)",
+    ),
 )
-VALUES: dict[str, tuple[Any, Any]] = {"optimizer_state_bits": (8, 32)}
+VALUES: dict[str, tuple[Any, Any]] = {
+    "optimizer_state_bits": (8, 32),
+    "checkpoint_saves": ("matmuls", "nothing"),
+}
 
 
 def build_levers(self: Any, c: RunConfig) -> w.VBox:

@@ -9,6 +9,9 @@ applied for a run and taken away after it.
   accumulated that parameter's gradient, which is then freed: the step never holds all the
   gradients at once (PyTorch's tutorial "How to save memory by fusing the optimizer step into
   the backward pass").
+- ``checkpoint_saves="matmuls"``: selective activation checkpointing
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, torch >= 2.4): inside the
+  checkpointed blocks the outputs of matrix products are kept, the rest recomputed in backward.
 - ``optimizer_state_bits=8``: Adam's two states in bitsandbytes' 8-bit block-wise layout
   (`memlab.step.adam8bit`): one byte per element each, a float32 scale per block of 256.
 """
@@ -16,14 +19,16 @@ applied for a run and taken away after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from memlab.step.adam8bit import Adam8bit
-from memlab.step.config import Optimizer, RunConfig
+from memlab.step.config import Optimizer, RunConfig, WhatIfError
 from memlab.step.model import optimizer
 
 
@@ -56,6 +61,25 @@ class StepInBackward(torch.optim.Optimizer):
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+#: The ops whose outputs selective checkpointing keeps for ``checkpoint_saves="matmuls"``.
+MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def selective(config: RunConfig) -> Callable[[], Any] | None:
+    """Checkpoint's ``context_fn`` for ``config.checkpoint_saves`` (None: save nothing)."""
+    if config.checkpoint_saves == "nothing":
+        return None
+    make = getattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts", None)
+    if make is None:
+        raise WhatIfError(
+            f"checkpoint_saves={config.checkpoint_saves!r} needs selective checkpointing, "
+            f"new in torch 2.4 (this is {torch.__version__}): upgrade torch, or pass "
+            "checkpoint_saves='nothing'."
+        )
+    ops = [getattr(torch.ops.aten, name).default for name in MATMULS]
+    return functools.partial(make, ops)
 
 
 def make_optimizer(

@@ -27,7 +27,7 @@ from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
-from memlab.step.levers import lever_notes, stepping
+from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
     call,
     check_device,
@@ -130,7 +130,7 @@ def run(
     units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
     with (
         restored(model, weights=training),
-        checkpointed(model, config.checkpoint) as chosen,
+        checkpointed(model, config.checkpoint, selective(config)) as chosen,
         stepping(model, config, hooks.foreach) as opt,
     ):
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
