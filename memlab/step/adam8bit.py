@@ -96,7 +96,10 @@ class Adam8bit(torch.optim.Optimizer):
         root = math.sqrt(1 - b2**t)
         flat, grads = p.detach().view(-1), p.grad.detach().view(-1)  # type: ignore[union-attr]
         eight = state["state1"].dtype == torch.uint8
-        for start in range(0, flat.numel(), CHUNK):
+        starts = list(range(0, flat.numel(), CHUNK))
+        if flat.is_meta:  # no values: each whole chunk allocates and frees the same, run one
+            starts = sorted({starts[0], starts[-1]})
+        for start in starts:
             end = min(start + CHUNK, flat.numel())
             g = grads[start:end].float()
             if wd and not self.decoupled:
