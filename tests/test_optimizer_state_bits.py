@@ -90,3 +90,26 @@ def test_the_panel_toggle() -> None:
     assert ex.config.optimizer_state_bits == 8
     ex.optimizer_state_bits.value = False
     assert ex.config.optimizer_state_bits == 32
+
+
+def test_the_update_works_a_chunk_at_a_time() -> None:
+    """The update's float32 temporaries are bounded by a chunk, not by the parameter; on meta
+    only a parameter's first and last chunks run, and the step allocates as on the CPU."""
+    from memlab import track
+    from memlab.step.adam8bit import CHUNK, state_bytes
+
+    n = 4 * CHUNK + 700  # four whole chunks and a partial one, with a partial block
+    temporaries = {}
+    for device in ("cpu", "meta"):
+        p = torch.zeros(n, device=device, requires_grad=True)
+        p.grad = torch.ones(n, device=device)
+        opt = Adam8bit([p])
+        with track(device) as t:
+            opt.step()
+        r = t.report
+        assert r.allocated_after - r.allocated_before == state_bytes([n])
+        temporaries[device] = r.peak_allocated - r.allocated_after
+    # four float32 chunks (the gradient, m, v and the denominator) and the blocks' scales,
+    # where the whole gradient, m and v in float32 would be three copies of the parameter
+    assert 0 < temporaries["cpu"] <= 4 * 4 * CHUNK + 4 * 4 * CHUNK // 256 < 3 * 4 * n
+    assert temporaries["meta"] == temporaries["cpu"]

@@ -115,10 +115,11 @@ class Adam8bit(torch.optim.Optimizer):
             if wd and self.decoupled:
                 flat[start:end].mul_(1 - lr * wd)
             flat[start:end].addcdiv_(m.to(flat.dtype), denom.to(flat.dtype), value=-size)
+            del g, denom  # before the codes are made: fewer chunks alive at once
             if eight:
                 _encode(m, state["state1"][start:end], state["absmax1"], start, signed=True)
                 _encode(v, state["state2"][start:end], state["absmax2"], start, signed=False)
-            del g, m, v, denom
+            del m, v
 
 
 def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -152,7 +153,12 @@ def _encode(
         scale = part.abs().amax(dim=1)
         absmax[first : first + rows] = scale
         q = part / scale.clamp_min(1e-30).unsqueeze(1)
-        q = q.sign().mul_(q.abs().sqrt_()) if signed else q.sqrt_()
+        if signed:
+            sign = q.sign()
+            q.abs_().sqrt_().mul_(sign)
+            del sign
+        else:
+            q.sqrt_()
         q = q.mul_(127).round_().add_(128) if signed else q.mul_(255).round_()
         codes[done : done + part.numel()] = q.view(-1).to(torch.uint8)
         first, done = first + rows, done + part.numel()
