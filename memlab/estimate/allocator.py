@@ -13,8 +13,9 @@ The rules (c10/cuda/CUDACachingAllocator.cpp, default settings):
   driver only on empty_cache() or when a new segment would not fit (then the allocation is
   retried once: a "retry"; if it still does not fit: out of memory).
 
-Not modelled: expandable segments, max_split_size and roundup_power2_divisions settings, cross-
-stream frees (record_stream), graph pools.
+Not modelled here: expandable segments (`memlab.estimate.expandable` models them),
+max_split_size and roundup_power2_divisions settings, cross-stream frees (record_stream), graph
+pools.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from typing import Any
 from memlab.core import _torch
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.ledger import default_ledger
-from memlab.estimate.allocator import CachingAllocator
 from memlab.estimate.autocast import emulated
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
@@ -41,6 +40,7 @@ from memlab.estimate.redirect import (
 )
 from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
+from memlab.estimate.toggles import allocator_for, lever_notes
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
@@ -92,9 +92,7 @@ def estimate(
     card = find_gpu(gpu)
     if workspace is None:
         workspace = 0 if card is None else card.workspace
-    listener = AllocatorListener(
-        str(META), CachingAllocator(None if card is None else card.usable), keep_events=trace
-    )
+    listener = AllocatorListener(str(META), allocator_for(config, card), keep_events=trace)
     lt = 0 if card is None or not workspace else card.lt_workspace
     workspaces = _Workspaces(listener, workspace, lt)
     units: list[int] = []
@@ -224,6 +222,7 @@ def _prediction(
         _workspace_note(workspaces),
         NOT_MODELLED,
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
+        *lever_notes(config),
         *tensors.notes,  # the step's own (what checkpoint='auto' chose)
     ]
     if replay.failed is not None:

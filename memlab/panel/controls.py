@@ -8,6 +8,7 @@ from typing import Any
 import ipywidgets as w
 
 from memlab.estimate.gpus import GPUS
+from memlab.panel.levers import build_levers, lever_controls
 from memlab.panel.limit import mib
 from memlab.panel.search import MAX_BATCH
 from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig, Sharding
@@ -132,6 +133,7 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
                             self.limit,
                         ]
                     ),
+                    build_levers(self, c),
                 ]
             ),
             w.HBox([self.run_button, self.fit_button, self.clear_button, self.cancel_button]),
@@ -162,4 +164,5 @@ def controls(self: Any) -> list[Any]:
         self.custom_gib,
         self.world_size,
         self.sharding,
+        *lever_controls(self),
     ]

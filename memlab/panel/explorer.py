@@ -18,6 +18,7 @@ from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
+from memlab.panel.levers import lever_values
 from memlab.panel.limit import MUTED, BudgetLimit
 from memlab.panel.ranks import fit_and_peak, predicted
 from memlab.panel.search import MAX_BATCH, predicted_batch
@@ -114,6 +115,7 @@ class Explorer(BudgetLimit):
             budget=budget,
             world_size=int(self.world_size.value),
             sharding=self.sharding.value if self.world_size.value > 1 else "none",
+            **lever_values(self),
         )
 
     def run(self) -> RunResult | None:

@@ -93,11 +93,15 @@ def repeated_runs(model: nn.Module) -> list[Runs]:
 
 
 @contextlib.contextmanager
-def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[list[str]]:
+def checkpointed(
+    model: nn.Module, spec: str | tuple[str, ...], context_fn: Callable[[], Any] | None = None
+) -> Iterator[list[str]]:
     """Within the block, the modules ``spec`` names run checkpointed; ``"auto"`` finds them:
     the repeated `blocks`, else the `repeated_runs` of a Sequential. Yields notes saying what
     was chosen (and that a Hugging Face model's ``use_cache`` is off, as it turns it off itself
-    under checkpointing)."""
+    under checkpointing). ``context_fn``: checkpoint's, for selective checkpointing
+    (`memlab.step.levers.selective`)."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     notes: list[str] = []
     if spec == "off":
         yield notes
@@ -128,11 +132,11 @@ def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[list
     try:
         for p in paths:
             module = named[p]
-            module.forward = _checkpointing(module.forward)
+            module.forward = _checkpointing(module.forward, extra)
             wrapped.append(module)
         for r in runs:
             sequential = named[r.path]
-            sequential.forward = _in_runs(sequential, r)
+            sequential.forward = _in_runs(sequential, r, extra)
             wrapped.append(sequential)
         if cache:
             config.use_cache = False  # type: ignore[union-attr]
@@ -145,15 +149,17 @@ def checkpointed(model: nn.Module, spec: str | tuple[str, ...]) -> Iterator[list
             del module.forward  # the class's forward shows through again
 
 
-def _checkpointing(original: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointing(original: Callable[..., Any], extra: dict[str, Any]) -> Callable[..., Any]:
     def forward(*args: Any, **kw: Any) -> Any:
         # the original is looked up at each call: the estimator's autocast emulation wraps it
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kw)
+        return torch.utils.checkpoint.checkpoint(
+            original, *args, use_reentrant=False, **extra, **kw
+        )
 
     return forward
 
 
-def _in_runs(sequential: nn.Sequential, runs: Runs) -> Callable[[Any], Any]:
+def _in_runs(sequential: nn.Sequential, runs: Runs, extra: dict[str, Any]) -> Callable[[Any], Any]:
     layers = list(sequential)
     end = runs.start + runs.length * runs.count
     step = runs.length * runs.per_segment
@@ -165,7 +171,9 @@ def _in_runs(sequential: nn.Sequential, runs: Runs) -> Callable[[Any], Any]:
     def forward(x: Any) -> Any:
         for group, recompute in pieces:
             if recompute:
-                x = torch.utils.checkpoint.checkpoint(_chain, group, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    _chain, group, x, use_reentrant=False, **extra
+                )
             else:
                 x = _chain(group, x)
         return x

@@ -69,6 +69,8 @@ class Sharding(Choice):
     FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
 
 
+#: The levers that are switched on or off (RunConfig fields, True or False).
+LEVER_FLAGS = ("expandable_segments", "optimizer_in_backward")
 #: Kept for one release: the choices as tuples of strings.
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
@@ -98,6 +100,8 @@ class RunConfig:
     sharding: how the ranks share the model's state: "none" (one rank), "ddp", "zero1",
         "zero2", "zero3", "fsdp" or "fsdp_no_reshard" (`Sharding`). The run's per-rank figures
         are this process's step divided by `memlab.step.ranks`'s rule, not measured on N ranks.
+    expandable_segments: the CUDA caching allocator with ``expandable_segments:True``: changes
+        reserved memory, not allocated; estimated (`memlab.estimate.expandable`), not measured.
     """
 
     amp: Amp = Amp.OFF
@@ -116,6 +120,11 @@ class RunConfig:
     logits: str = "last"
     world_size: int = 1
     sharding: Sharding = Sharding.NONE
+    # levers (memlab.step.levers): each changes one thing, named after it
+    expandable_segments: bool = False
+    optimizer_in_backward: bool = False
+    optimizer_state_bits: int = 32
+    checkpoint_saves: str = "nothing"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -151,6 +160,7 @@ class RunConfig:
             )
         if self.budget is not None and self.budget <= 0:
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
+        _check_levers(self)
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
@@ -181,6 +191,10 @@ class RunConfig:
         if self.world_size > 1:
             parts[parts.index(f"batch {self.batch_size}")] += " a rank"
             parts.append(f"{self.sharding} over {self.world_size} ranks")
+        parts += [name.replace("_", " ") for name in LEVER_FLAGS if getattr(self, name)]
+        parts += ["8-bit optimizer state"] if self.optimizer_state_bits == 8 else []
+        if self.checkpoint_saves != "nothing":
+            parts.append(f"checkpoints keep {self.checkpoint_saves}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +217,9 @@ class RunConfig:
             "logits": self.logits,
             "world_size": self.world_size,
             "sharding": str(self.sharding),
+            **{name: getattr(self, name) for name in LEVER_FLAGS},
+            "optimizer_state_bits": self.optimizer_state_bits,
+            "checkpoint_saves": self.checkpoint_saves,
         }
 
 
@@ -226,4 +243,34 @@ def _check_ranks(c: RunConfig) -> None:
             f"world_size={n} divides a training step's state among ranks, and {what} is not "
             "one: use mode='train' (and retention='off'), or world_size=1 (a forward alone is "
             "the same on every rank)."
+        )
+
+
+def _check_levers(c: RunConfig) -> None:
+    """The lever fields (`memlab.step.levers`): each value, and what it cannot go with."""
+    for name in LEVER_FLAGS:
+        if not isinstance(getattr(c, name), bool):
+            raise WhatIfError(f"{name} must be True or False, not {getattr(c, name)!r}.")
+    if c.optimizer_state_bits not in (32, 8) or isinstance(c.optimizer_state_bits, bool):
+        raise WhatIfError(f"optimizer_state_bits must be 32 or 8, not {c.optimizer_state_bits!r}.")
+    if c.optimizer_state_bits == 8 and c.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
+        raise WhatIfError(
+            f"optimizer_state_bits=8 is bitsandbytes' Adam8bit / AdamW8bit layout: use "
+            f"optimizer 'adam' or 'adamw', not {str(c.optimizer)!r}."
+        )
+    if c.optimizer_in_backward and c.mode == Mode.TRAIN and (c.accumulation > 1 or c.amp == "fp16"):
+        raise WhatIfError(
+            "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
+            "it cannot accumulate micro-batches or unscale fp16 gradients first; use "
+            "accumulation=1 and amp 'off' or 'bf16'."
+        )
+    if c.checkpoint_saves not in ("nothing", "matmuls"):
+        raise WhatIfError(
+            f"checkpoint_saves must be 'nothing' (recompute all) or 'matmuls', not "
+            f"{c.checkpoint_saves!r}."
+        )
+    if c.checkpoint_saves != "nothing" and c.checkpoint == "off":
+        raise WhatIfError(
+            "checkpoint_saves chooses what checkpointed blocks keep: also pass "
+            "checkpoint='auto' or the module paths to checkpoint."
         )

@@ -27,12 +27,12 @@ from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
+from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
     call,
     check_device,
     checkpointed,
     config_of,
-    optimizer,
     resolve_device,
     restored,
 )
@@ -128,8 +128,11 @@ def run(
             "mode='no_grad', or unfreeze some parameters."
         )
     units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
-    with restored(model, weights=training), checkpointed(model, config.checkpoint) as chosen:
-        opt = optimizer(model, config, hooks.foreach) if training else None
+    with (
+        restored(model, weights=training),
+        checkpointed(model, config.checkpoint, selective(config)) as chosen,
+        stepping(model, config, hooks.foreach) as opt,
+    ):
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
         amp = _autocast(config.amp, device, hooks.autocast)
@@ -157,6 +160,7 @@ def run(
                 kept, series = step(functools.partial(_mark, region))
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept))
+            chosen += lever_notes(config, device)
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
