@@ -246,6 +246,7 @@ def _prediction(
         breakdown=tensors.breakdown,
         timeline=timeline,
         notes=tuple(n for n in notes if n),
+        host=tensors.host,  # offload: bytes on the host, counted in the meta run
     )
     return Estimate(
         config,
@@ -258,6 +259,7 @@ def _prediction(
         low=None if peaks is None or not replay.spreads else (peaks[0], peaks[1]),
         high=None if peaks is None or not replay.spreads else (peaks[2], peaks[3]),
         causes=summarise(replay.spreads),
+        host=tensors.host,
     )
 
 

@@ -67,6 +67,21 @@ class Sharding(Choice):
     ZERO3 = "zero3"  # parameters too
     FSDP = "fsdp"  # FSDP2's fully_shard: parameters, gradients, state; reshard after forward
     FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
+class Offload(Choice):
+    """What a training step keeps in host memory (`memlab.step.offload`)."""
+
+    OFF = "off"
+    ACTIVATIONS = "activations"  # saved for backward: packed to the CPU by save_on_cpu
+    OPTIMIZER = "optimizer"  # optimizer state and fp32 master weights on the CPU, stepped there
+    BOTH = "both"
+
+    @property
+    def activations(self) -> bool:
+        return self in (Offload.ACTIVATIONS, Offload.BOTH)
+
+    @property
+    def optimizer(self) -> bool:
+        return self in (Offload.OPTIMIZER, Offload.BOTH)
 
 
 #: Kept for one release: the choices as tuples of strings.
@@ -98,6 +113,8 @@ class RunConfig:
     sharding: how the ranks share the model's state: "none" (one rank), "ddp", "zero1",
         "zero2", "zero3", "fsdp" or "fsdp_no_reshard" (`Sharding`). The run's per-rank figures
         are this process's step divided by `memlab.step.ranks`'s rule, not measured on N ranks.
+    offload: "off", "activations" (saved for backward, to the CPU), "optimizer" (state and fp32
+        master weights on the CPU, stepped there) or "both" (a training step; `Offload`).
     """
 
     amp: Amp = Amp.OFF
@@ -116,6 +133,7 @@ class RunConfig:
     logits: str = "last"
     world_size: int = 1
     sharding: Sharding = Sharding.NONE
+    offload: Offload = Offload.OFF
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -124,6 +142,7 @@ class RunConfig:
             ("retention", Retention),
             ("optimizer", Optimizer),
             ("sharding", Sharding),
+            ("offload", Offload),
         ):
             object.__setattr__(self, name, kind.parse(name, getattr(self, name), WhatIfError))
         if isinstance(self.checkpoint, str):
@@ -154,6 +173,11 @@ class RunConfig:
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
+        if self.offload != Offload.OFF and not self.training:
+            raise WhatIfError(
+                f"offload={str(self.offload)!r} moves a training step's memory to the host: use "
+                "mode='train' (without retention), or offload='off'."
+            )
 
     @property
     def training(self) -> bool:
@@ -181,6 +205,8 @@ class RunConfig:
         if self.world_size > 1:
             parts[parts.index(f"batch {self.batch_size}")] += " a rank"
             parts.append(f"{self.sharding} over {self.world_size} ranks")
+        if self.offload != Offload.OFF:
+            parts.append(f"offload {self.offload}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +229,7 @@ class RunConfig:
             "logits": self.logits,
             "world_size": self.world_size,
             "sharding": str(self.sharding),
+            "offload": str(self.offload),
         }
 
 

@@ -4,7 +4,7 @@ checkpointed blocks, and leaving the user's model as it was."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +80,14 @@ def optimizer(
     model: nn.Module, config: RunConfig, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer ``config`` names, over the model's trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_over([p for p in model.parameters() if p.requires_grad], config, foreach)
+
+
+def optimizer_over(
+    params: Sequence[torch.Tensor], config: RunConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config`` names, over ``params``."""
+    params = list(params)
     if config.optimizer == Optimizer.SGD:
         return torch.optim.SGD(params, lr=config.lr, foreach=foreach)
     if config.optimizer == Optimizer.SGD_MOMENTUM:

@@ -32,10 +32,10 @@ from memlab.step.model import (
     check_device,
     checkpointed,
     config_of,
-    optimizer,
     resolve_device,
     restored,
 )
+from memlab.step.offload import HostOffload
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
@@ -129,15 +129,16 @@ def run(
         )
     units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
     with restored(model, weights=training), checkpointed(model, config.checkpoint) as chosen:
-        opt = optimizer(model, config, hooks.foreach) if training else None
+        off = HostOffload(config, device, model)  # offload="off": the device's own optimizer
+        opt = off.make_optimizer(model, config, hooks.foreach) if training else None
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
         amp = _autocast(config.amp, device, hooks.autocast)
         user = UserStep(model, input_fn, loss_fn, step_fn, device)
-        step = functools.partial(_step, user, config, opt, scaler, amp)
+        step = functools.partial(_step, user, config, opt, scaler, amp, off)
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
-        warm = functools.partial(_step, user, one, opt, scaler, amp)
+        warm = functools.partial(_step, user, one, opt, scaler, amp, off)
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
@@ -176,7 +177,7 @@ def run(
                 error=f"CUDA out of memory: {message}",
                 explanation=explained,
             )
-    report = region.report
+    report = off.attach(region.report)  # with what the step kept in host memory
     if chosen:  # what checkpoint='auto' chose, and what it turned off
         report = dataclasses.replace(report, notes=(*report.notes, *chosen))
     ranks = of_run(config, report.breakdown, units)  # one rank's share, for world_size > 1
@@ -229,6 +230,7 @@ def _step(
     opt: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler | None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    off: HostOffload,
     mark: Callable[..., None],
 ) -> tuple[list[Any], list[int]]:
     model, device = user.model, user.device
@@ -257,24 +259,25 @@ def _step(
         return [out], []
     assert opt is not None
     model.train()
-    micro = config.batch_size // config.accumulation
-    for _ in range(config.accumulation):
-        with autocast():
-            out = user.forward(micro, mark)
-            loss = user.loss(out) / config.accumulation
-        if not loss.requires_grad:
-            raise WhatIfError(
-                "The loss does not require grad, so backward has nothing to do: is the forward "
-                "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
-                "forward alone, use mode='no_grad'."
-            )
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del out, loss
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    with off.step(mark):  # offload: the host copies counted, and marked
+        micro = config.batch_size // config.accumulation
+        for _ in range(config.accumulation):
+            with autocast():
+                out = user.forward(micro, mark)
+                loss = user.loss(out) / config.accumulation
+            if not loss.requires_grad:
+                raise WhatIfError(
+                    "The loss does not require grad, so backward has nothing to do: is the forward "
+                    "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
+                    "forward alone, use mode='no_grad'."
+                )
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del out, loss
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     opt.zero_grad(set_to_none=True)
     return [], []
 
