@@ -114,6 +114,7 @@ class Explorer(BudgetLimit):
             budget=budget,
             world_size=int(self.world_size.value),
             sharding=self.sharding.value if self.world_size.value > 1 else "none",
+            offload=self.offload.value,
         )
 
     def run(self) -> RunResult | None:
