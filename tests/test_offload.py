@@ -120,7 +120,7 @@ def test_the_host_optimizer_steps_as_the_device_optimizer_would() -> None:
 
 
 def test_offload_is_a_training_lever() -> None:
-    with pytest.raises(WhatIfError, match="offload='optimizer'.*mode='train'"):
+    with pytest.raises(WhatIfError, match=r"offload='optimizer'.*mode='train'"):
         RunConfig(mode="no_grad", offload="optimizer")
     with pytest.raises(WhatIfError, match="offload='disk' is not one of"):
         RunConfig(offload="disk")
