@@ -64,6 +64,7 @@ class Explorer(BudgetLimit):
     batch_size: w.BoundedIntText
     accumulation: w.BoundedIntText
     optimizer: w.Dropdown
+    offload: w.Dropdown
     budget: w.BoundedFloatText
     simulate: w.Dropdown
     custom_gib: w.BoundedFloatText
