@@ -199,7 +199,7 @@ def host_report() -> MemoryReport:
             pinned_peak=48 << 20,
             at_end={"optimizer_state": 128 << 20, "master_weights": 64 << 20},
             highest={"activations": 48 << 20, "optimizer_state": 128 << 20},
-            allocator={"allocated_bytes.current": 0, "reserved_bytes.current": 48 << 20},
+            allocator={"active_bytes.current": 0, "allocated_bytes.current": 64 << 20},
         ),
     )
 
@@ -210,5 +210,18 @@ def test_the_report_shows_the_host_beside_the_device(golden: Any) -> None:
     golden("report_host.html", r._repr_html_() + "\n")
     d = r.to_dict()
     assert d["host"]["peak"] == 240 << 20 and d["host"]["highest"]["activations"] == 48 << 20
-    assert "host allocator (pinned memory): 0 B allocated, 48.0 MiB reserved" in r.text()
+    assert "host allocator (pinned memory, whole process): 0 B in use, 64.0 MiB held" in r.text()
     assert "host" not in MemoryReport("cpu", "tensor-accounting", 0, 0, 0, 0.0).to_dict()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_saved_activations_leave_the_device_for_pinned_host_memory() -> None:
+    n = 4096
+    _, copies = saved_bytes(mlp("cuda"), torch.randn(n, WIDTH, device="cuda"))
+    plain = run(gpu_mlp, wide, batch_size=n)
+    moved = run(gpu_mlp, wide, batch_size=n, offload="activations")
+    assert plain.report is not None and moved.report is not None
+    host = moved.report.host
+    assert host is not None and host.allocator is not None
+    assert host.highest == {"activations": copies} and host.pinned_peak == copies
+    assert moved.report.peak_allocated < plain.report.peak_allocated  # the allocator's own

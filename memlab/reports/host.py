@@ -44,12 +44,13 @@ class HostMemory:
             line += f"; {fmt_bytes(self.pinned_peak)} of them pinned"
         out = [line]
         if self.allocator:
-            current = self.allocator.get("allocated_bytes.current")
-            reserved = self.allocator.get("reserved_bytes.current")
-            if current is not None and reserved is not None:
+            active = self.allocator.get("active_bytes.current")
+            held = self.allocator.get("allocated_bytes.current")
+            if active is not None and held is not None:
                 out.append(
-                    f"host allocator (pinned memory): {fmt_bytes(current)} allocated, "
-                    f"{fmt_bytes(reserved)} reserved"
+                    f"host allocator (pinned memory, whole process): {fmt_bytes(active)} in "
+                    f"use, {fmt_bytes(held)} held (in use and cached, sizes rounded up to "
+                    "powers of two)"
                 )
         return out
 
