@@ -62,7 +62,9 @@ class HostOffload:
         self._optimizer: weakref.ref[HostOptimizer] | None = None
         #: Storages that stay on the device when saved: the parameters' and buffers'.
         self._stays = {
-            id(s) for s in map(storage_of, chain(model.parameters(), model.buffers())) if s
+            id(s)
+            for s in map(storage_of, chain(model.parameters(), model.buffers()))
+            if s is not None
         }
 
     def hidden(self) -> contextlib.AbstractContextManager[Any]:
@@ -120,6 +122,8 @@ class HostOffload:
             if self._stays_on_device(t):
                 return (t.device, t.detach())  # unpacked by .to(its own device): itself
             device, packed = pack(t)
+            if packed is t:  # a CPU tensor's .cpu() is itself: an alias, not tied to its grad_fn
+                packed = t.detach()
             self.copies.add_tensor(packed, "activations", pinned=self.pin and packed.is_pinned())
             self.mark(packed, Category.HOST)
             return device, packed
