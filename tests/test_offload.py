@@ -226,3 +226,13 @@ def test_on_a_gpu_the_saved_activations_leave_the_device_for_pinned_host_memory(
     assert (host.allocator is not None) == hasattr(torch.cuda, "host_memory_stats")
     assert host.highest == {"activations": copies} and host.pinned_peak == copies
     assert moved.report.peak_allocated < plain.report.peak_allocated  # the allocator's own
+
+
+def test_offload_is_one_of_the_levers_of_a_step_that_does_not_fit() -> None:
+    from memlab.estimate.levers import config_levers
+
+    config = RunConfig(batch_size=4096)
+    levers = {lv.name: lv for lv in config_levers(gpu_mlp, wide, config=config, gpu="T4")}
+    truth = estimate(gpu_mlp, wide, config=config.with_(offload="both"), gpu="T4")
+    assert levers["offload to host"].peak_reserved == truth.peak_reserved
+    assert truth.peak_reserved < estimate(gpu_mlp, wide, config=config, gpu="T4").peak_reserved
