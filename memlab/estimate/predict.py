@@ -259,7 +259,6 @@ def _prediction(
         low=None if peaks is None or not replay.spreads else (peaks[0], peaks[1]),
         high=None if peaks is None or not replay.spreads else (peaks[2], peaks[3]),
         causes=summarise(replay.spreads),
-        host=tensors.host,
     )
 
 

@@ -48,9 +48,12 @@ class Estimate(Result):
     high: tuple[int, int] | None = None
     #: What makes the figures uncertain: each op that allocated a size chosen at run time.
     causes: tuple[Cause, ...] = ()
-    #: With ``offload``: what the step keeps in host memory (CPU RAM) instead of on the GPU
-    #: (the report's "host" row); None without offload.
-    host: HostMemory | None = None
+
+    @property
+    def host(self) -> HostMemory | None:
+        """With ``offload``: what the step keeps in host memory (CPU RAM) instead of on the GPU
+        (the report's "host" row); None without offload."""
+        return self.report.host
 
     @property
     def host_peak(self) -> int:

@@ -67,6 +67,8 @@ class Sharding(Choice):
     ZERO3 = "zero3"  # parameters too
     FSDP = "fsdp"  # FSDP2's fully_shard: parameters, gradients, state; reshard after forward
     FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
+
+
 class Offload(Choice):
     """What a training step keeps in host memory (`memlab.step.offload`)."""
 
