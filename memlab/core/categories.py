@@ -9,7 +9,8 @@ class Category(str, Enum):
     """The role of a tensor storage during a measured region.
 
     Categories are ordered by priority: when one storage plays several roles (a Linear layer
-    saves ``weight.t()``, which shares the parameter's storage), the role listed first wins.
+    saves ``weight.t()``, which shares the parameter's storage), the role listed first wins;
+    ``HOST`` wins over every other.
     """
 
     PARAMETER = "parameter"
@@ -20,6 +21,7 @@ class Category(str, Enum):
     COMMUNICATION = "communication"
     INPUT = "input"
     ACTIVATION = "activation"
+    HOST = "host"
     TEMPORARY = "temporary"
     OTHER = "other"
     UNATTRIBUTED = "unattributed"
@@ -30,7 +32,11 @@ class Category(str, Enum):
 
 #: Highest priority first. ``TEMPORARY``, ``OTHER`` and ``UNATTRIBUTED`` are never assigned by a
 #: hook: they are derived when a report is built (see ``memlab.core.recorder``).
-PRIORITY: dict[Category, int] = {c: i for i, c in enumerate(Category)}
+#: ``HOST`` comes first: an offloaded copy is in host memory whatever else it is (the host-side
+#: optimizer's state, its master weights and their gradients; see ``memlab.step.offload``).
+PRIORITY: dict[Category, int] = {
+    c: i for i, c in enumerate([Category.HOST, *(c for c in Category if c is not Category.HOST)])
+}
 
 #: Roles a storage keeps from one region to the next. Being saved for backward (activation) or
 #: being a region's input is a role within one region only.
@@ -56,6 +62,9 @@ DESCRIPTIONS: dict[Category, str] = {
     "and reduce-scattered flat buffers",
     Category.INPUT: "tensors passed to track(inputs=...)",
     Category.ACTIVATION: "tensors saved for backward by autograd",
+    Category.HOST: "copies an offload lever keeps in host memory: activations saved for backward "
+    "packed to the CPU (save_on_cpu), the host-side optimizer's state, master weights and "
+    "gradients",
     Category.TEMPORARY: "created in the region and freed before it ended",
     Category.OTHER: "alive, with none of the roles above: results the region kept, and tensors "
     "from before it that it never used (your own tensors, earlier outputs, other models)",

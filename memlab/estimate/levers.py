@@ -1,5 +1,6 @@
 """The what-if levers of a step that does not fit, each predicted by the estimator for a GPU:
-AMP, activation checkpointing, a halved batch with gradient accumulation, a halved batch.
+AMP, activation checkpointing, offload to host memory, a halved batch with gradient
+accumulation, a halved batch.
 
 `config_levers` is what a what-if run that meets an out-of-memory adds to its explanation
 (`run_levers` makes the `StepHooks.on_oom` that does it); it works on any machine, since each
@@ -27,6 +28,9 @@ def variations(config: RunConfig) -> list[tuple[str, str, RunConfig]]:
         found.append(("AMP (bf16)", "`amp='bf16'`", config.with_(amp="bf16")))
     if config.checkpoint == "off" and config.training:
         found.append(("checkpointing", "`checkpoint='auto'`", config.with_(checkpoint="auto")))
+    if config.training and config.offload == "off":
+        how = "`offload='both'`: saved activations and the optimizer's state in host memory"
+        found.append(("offload to host", how, config.with_(offload="both")))
     k = config.accumulation * 2
     if config.training and config.batch_size % k == 0:
         how = f"`accumulation={k}`: the same batch in {k} micro-batches"

@@ -245,6 +245,7 @@ def _prediction(
         breakdown=tensors.breakdown,
         timeline=timeline,
         notes=tuple(n for n in notes if n),
+        host=tensors.host,  # offload: bytes on the host, counted in the meta run
     )
     return Estimate(
         config,

@@ -10,6 +10,7 @@ from memlab.core.warn import moved
 from memlab.estimate.gpus import GPU
 from memlab.estimate.spread import Cause
 from memlab.reports.frame import heading, note
+from memlab.reports.host import HostMemory
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes
@@ -47,6 +48,17 @@ class Estimate(Result):
     high: tuple[int, int] | None = None
     #: What makes the figures uncertain: each op that allocated a size chosen at run time.
     causes: tuple[Cause, ...] = ()
+
+    @property
+    def host(self) -> HostMemory | None:
+        """With ``offload``: what the step keeps in host memory (CPU RAM) instead of on the GPU
+        (the report's "host" row); None without offload."""
+        return self.report.host
+
+    @property
+    def host_peak(self) -> int:
+        """Bytes the step holds in host memory at the most (0 without offload)."""
+        return 0 if self.host is None else self.host.peak
 
     @property
     def bounds(self) -> dict[str, tuple[int, int]]:
@@ -132,6 +144,7 @@ class Estimate(Result):
             "fsdp_units": list(self.fsdp_units),
             "bounds": {name: list(pair) for name, pair in self.bounds.items()},
             "causes": [c.to_dict() for c in self.causes],
+            "host_peak": self.host_peak,
             "report": self.report.to_dict(),
             "notes": list(self.notes),
         }

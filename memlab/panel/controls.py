@@ -11,7 +11,7 @@ from memlab.estimate.gpus import GPUS
 from memlab.panel.levers import build_levers, lever_controls
 from memlab.panel.limit import mib
 from memlab.panel.search import MAX_BATCH
-from memlab.step import Amp, Mode, Optimizer, Retention, RunConfig, Sharding
+from memlab.step import Amp, Mode, Offload, Optimizer, Retention, RunConfig, Sharding
 
 #: The "simulate a GPU" choice that measures on this machine instead.
 HERE = "no: measure here"
@@ -57,6 +57,9 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     )
     self.optimizer = w.Dropdown(
         options=Optimizer.values(), value=str(c.optimizer), description="optimizer", style=style
+    )
+    self.offload = w.Dropdown(  # what a training step keeps in host memory (CPU RAM)
+        options=Offload.values(), value=str(c.offload), description="offload", style=style
     )
     self.budget = w.BoundedFloatText(
         value=mib(c.budget), min=0, max=1e9, step=1, description="budget (MiB)", style=style
@@ -125,6 +128,7 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
                             self.batch_size,
                             self.accumulation,
                             self.optimizer,
+                            self.offload,
                             self.budget,
                             self.simulate,
                             self.custom_gib,
@@ -159,6 +163,7 @@ def controls(self: Any) -> list[Any]:
         self.batch_size,
         self.accumulation,
         self.optimizer,
+        self.offload,
         self.budget,
         self.simulate,
         self.custom_gib,

@@ -65,6 +65,7 @@ class Explorer(BudgetLimit):
     batch_size: w.BoundedIntText
     accumulation: w.BoundedIntText
     optimizer: w.Dropdown
+    offload: w.Dropdown
     budget: w.BoundedFloatText
     simulate: w.Dropdown
     custom_gib: w.BoundedFloatText
@@ -116,6 +117,7 @@ class Explorer(BudgetLimit):
             world_size=int(self.world_size.value),
             sharding=self.sharding.value if self.world_size.value > 1 else "none",
             **lever_values(self),
+            offload=self.offload.value,
         )
 
     def run(self) -> RunResult | None:

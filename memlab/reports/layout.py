@@ -60,13 +60,15 @@ def layout(r: MemoryReport) -> Layout:
     rows = [Row("allocated", r.allocated_before, r.allocated_after, r.peak_allocated)]
     if r.reserved_before is not None:
         rows.append(Row("reserved", r.reserved_before, r.reserved_after, r.peak_reserved))
+    if r.host is not None:
+        rows.append(Row("host", r.host.before, r.host.after, r.host.peak))
     cats: list[CategoryRow] = []
     if r.breakdown is not None:
         for c in Category:
             p, e = r.breakdown.at_peak.get(c, 0), r.breakdown.at_end.get(c, 0)
             if p or e:
                 cats.append(CategoryRow(c, p, e, DESCRIPTIONS[c]))
-    notes = list(r.notes)
+    notes = list(r.notes) + (r.host.lines() if r.host is not None else [])
     if r.peak_scope != PeakScope.REGION:
         notes.append(f"peak: {PEAK_SCOPES[r.peak_scope]}")
     if r.alloc_retries:

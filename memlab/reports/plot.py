@@ -27,6 +27,7 @@ CATEGORY_COLOURS = {
     Category.COMMUNICATION: "#2e8b8b",
     Category.INPUT: "#70ad47",
     Category.ACTIVATION: "#e8a33d",
+    Category.HOST: "#9c6644",
     Category.TEMPORARY: "#bfbfbf",
     Category.OTHER: "#7f7f7f",
     Category.UNATTRIBUTED: "#d9d9d9",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from memlab.core.categories import Category
 from memlab.core.choices import PeakScope, Source, TimelineSource
 from memlab.core.cuda import DriverView
+from memlab.reports.host import HostMemory
 from memlab.reports.protocol import Result
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class MemoryReport(Result):
     driver: DriverView | None = None
     raised: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: What an offload lever kept in host memory (CPU RAM), beside the device's figures.
+    host: HostMemory | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", Source.parse("source", self.source))
@@ -145,6 +148,8 @@ class MemoryReport(Result):
             d["categories"] = self.breakdown.to_dict()
         if self.timeline is not None:
             d["timeline"] = self.timeline.to_dict()
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
         if self.driver is not None:
             d["driver"] = {
                 "free": self.driver.free,

@@ -8,6 +8,7 @@ from memlab.step.comparison import Comparison
 from memlab.step.config import (
     Amp,
     Mode,
+    Offload,
     Optimizer,
     Retention,
     RunConfig,
@@ -23,6 +24,7 @@ __all__ = [
     "Amp",
     "Comparison",
     "Mode",
+    "Offload",
     "Optimizer",
     "RankMemory",
     "Retention",

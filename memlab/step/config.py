@@ -9,72 +9,39 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
+from memlab.step.options import (
+    AMP,
+    AMP_DTYPES,
+    LEVER_FLAGS,
+    MODES,
+    OPTIMIZERS,
+    RETENTION,
+    Amp,
+    Mode,
+    Offload,
+    Optimizer,
+    Retention,
+    Sharding,
+    WhatIfError,
+)
 
-from memlab.core.choices import Choice
-
-
-class WhatIfError(ValueError):
-    """A run could not be set up or failed because of its inputs; the message says what to do."""
-
-
-class Amp(Choice):
-    """Automatic mixed precision: off, or autocast to a 16-bit type."""
-
-    OFF = "off"
-    FP16 = "fp16"  # with a gradient scaler
-    BF16 = "bf16"
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The 16-bit type autocast computes in (None for "off"): the one AMP table."""
-        return {Amp.FP16: torch.float16, Amp.BF16: torch.bfloat16}.get(self)
-
-
-class Mode(Choice):
-    TRAIN = "train"  # forward, backward, optimizer step
-    NO_GRAD = "no_grad"  # a forward under torch.no_grad()
-    INFERENCE_MODE = "inference_mode"  # a forward under torch.inference_mode()
-    # model.eval() and a forward with grad on, its output kept with its graph: a validation
-    # loop that forgot torch.no_grad()
-    EVAL_WITH_GRAD = "eval_with_grad"
-    # a prompt, then new_tokens tokens one at a time with a key/value cache (memlab.step.generate)
-    GENERATE = "generate"
-
-
-class Retention(Choice):
-    """The graph-retention experiment: evaluation forwards with grad on, outputs kept."""
-
-    OFF = "off"
-    ATTACHED = "attached"  # kept with their graphs: memory grows
-    DETACHED = "detached"  # kept detached: flat
-
-
-class Optimizer(Choice):
-    SGD = "sgd"
-    SGD_MOMENTUM = "sgd_momentum"
-    ADAM = "adam"
-    ADAMW = "adamw"
-
-
-class Sharding(Choice):
-    """How ``world_size`` data-parallel ranks share the model's state (`memlab.step.ranks`)."""
-
-    NONE = "none"  # one rank
-    DDP = "ddp"  # every rank holds everything, and DDP's gradient buckets
-    ZERO1 = "zero1"  # optimizer state sharded
-    ZERO2 = "zero2"  # gradients too
-    ZERO3 = "zero3"  # parameters too
-    FSDP = "fsdp"  # FSDP2's fully_shard: parameters, gradients, state; reshard after forward
-    FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
-
-
-#: The levers that are switched on or off (RunConfig fields, True or False).
-LEVER_FLAGS = ("expandable_segments", "optimizer_in_backward")
-#: Kept for one release: the choices as tuples of strings.
-AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
-#: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
-AMP_DTYPES = {a.value: a.dtype for a in Amp if a.dtype is not None}
+#: The choices are re-exported: users import them from here.
+__all__ = [
+    "AMP",
+    "AMP_DTYPES",
+    "LEVER_FLAGS",
+    "MODES",
+    "OPTIMIZERS",
+    "RETENTION",
+    "Amp",
+    "Mode",
+    "Offload",
+    "Optimizer",
+    "Retention",
+    "RunConfig",
+    "Sharding",
+    "WhatIfError",
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +69,8 @@ class RunConfig:
         are this process's step divided by `memlab.step.ranks`'s rule, not measured on N ranks.
     expandable_segments: the CUDA caching allocator with ``expandable_segments:True``: changes
         reserved memory, not allocated; estimated (`memlab.estimate.expandable`), not measured.
+    offload: "off", "activations" (saved for backward, to the CPU), "optimizer" (state and fp32
+        master weights on the CPU, stepped there) or "both" (a training step; `Offload`).
     """
 
     amp: Amp = Amp.OFF
@@ -125,6 +94,7 @@ class RunConfig:
     optimizer_in_backward: bool = False
     optimizer_state_bits: int = 32
     checkpoint_saves: str = "nothing"
+    offload: Offload = Offload.OFF
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -133,6 +103,7 @@ class RunConfig:
             ("retention", Retention),
             ("optimizer", Optimizer),
             ("sharding", Sharding),
+            ("offload", Offload),
         ):
             object.__setattr__(self, name, kind.parse(name, getattr(self, name), WhatIfError))
         if isinstance(self.checkpoint, str):
@@ -164,6 +135,11 @@ class RunConfig:
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
+        if self.offload != Offload.OFF and not self.training:
+            raise WhatIfError(
+                f"offload={str(self.offload)!r} moves a training step's memory to the host: use "
+                "mode='train' (without retention), or offload='off'."
+            )
 
     @property
     def training(self) -> bool:
@@ -195,6 +171,8 @@ class RunConfig:
         parts += ["8-bit optimizer state"] if self.optimizer_state_bits == 8 else []
         if self.checkpoint_saves != "nothing":
             parts.append(f"checkpoints keep {self.checkpoint_saves}")
+        if self.offload != Offload.OFF:
+            parts.append(f"offload {self.offload}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +198,7 @@ class RunConfig:
             **{name: getattr(self, name) for name in LEVER_FLAGS},
             "optimizer_state_bits": self.optimizer_state_bits,
             "checkpoint_saves": self.checkpoint_saves,
+            "offload": str(self.offload),
         }
 
 
@@ -263,6 +242,14 @@ def _check_levers(c: RunConfig) -> None:
             "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
             "it cannot accumulate micro-batches or unscale fp16 gradients first; use "
             "accumulation=1 and amp 'off' or 'bf16'."
+        )
+    if str(c.offload) in ("optimizer", "both") and (
+        c.optimizer_in_backward or c.optimizer_state_bits == 8
+    ):
+        raise WhatIfError(
+            f"offload={str(c.offload)!r} steps 32-bit optimizer state on the host, after the "
+            "backward: it cannot go with optimizer_in_backward or optimizer_state_bits=8; pass "
+            "offload='activations' or 'off', or leave those levers off."
         )
     if c.checkpoint_saves not in ("nothing", "matmuls"):
         raise WhatIfError(

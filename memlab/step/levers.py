@@ -96,12 +96,19 @@ def make_optimizer(
 
 @contextlib.contextmanager
 def stepping(
-    model: nn.Module, config: RunConfig, foreach: bool | None
+    model: nn.Module,
+    config: RunConfig,
+    foreach: bool | None,
+    make: Callable[[nn.Module, RunConfig, bool | None], torch.optim.Optimizer] | None = None,
 ) -> Iterator[torch.optim.Optimizer | None]:
-    """The step's optimizer (None when it does not train); with ``optimizer_in_backward``, a
-    `StepInBackward` whose hooks are removed at the end."""
+    """The step's optimizer (None when it does not train): ``make``'s where given (the host's,
+    with optimizer offload); with ``optimizer_in_backward``, a `StepInBackward` whose hooks are
+    removed at the end."""
     if not config.training:
         yield None
+        return
+    if make is not None:
+        yield make(model, config, foreach)
         return
     if not config.optimizer_in_backward:
         yield make_optimizer(model, config, foreach)

@@ -4,7 +4,8 @@ checkpointed blocks, and leaving the user's model as it was."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from memlab.core.devices import DeviceError, resolve
 from memlab.core.ledger import device_key
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
-from memlab.step.config import Optimizer, RunConfig, WhatIfError
+from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
 
 
 def resolve_device(spec: str | None) -> torch.device:
@@ -80,7 +81,14 @@ def optimizer(
     model: nn.Module, config: RunConfig, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer ``config`` names, over the model's trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_over([p for p in model.parameters() if p.requires_grad], config, foreach)
+
+
+def optimizer_over(
+    params: Sequence[torch.Tensor], config: RunConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config`` names, over ``params``."""
+    params = list(params)
     if config.optimizer == Optimizer.SGD:
         return torch.optim.SGD(params, lr=config.lr, foreach=foreach)
     if config.optimizer == Optimizer.SGD_MOMENTUM:
@@ -119,3 +127,24 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
                 for k, v in model.state_dict(keep_vars=True).items():
                     if k in values:
                         v.copy_(values[k])
+
+
+def autocast_of(
+    amp: Amp, device: torch.device, make: Callable[[torch.dtype], Any] | None
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The AMP context of the step (a null context with AMP off: a disabled ``torch.autocast``
+    still asks for the device's autocast type, which ``meta`` lacks)."""
+    dtype = amp.dtype
+    if dtype is None:
+        return contextlib.nullcontext
+    if make is not None:
+        return functools.partial(make, dtype)
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def skipped(opt: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer has not stepped yet: no state (the stateless SGD without momentum
+    counts as stepped)."""
+    if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
+        return False
+    return not any(opt.state.values())

@@ -29,13 +29,16 @@ from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
 from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
+    autocast_of,
     call,
     check_device,
     checkpointed,
     config_of,
     resolve_device,
     restored,
+    skipped,
 )
+from memlab.step.offload import HostOffload
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
@@ -128,19 +131,21 @@ def run(
             "mode='no_grad', or unfreeze some parameters."
         )
     units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
+    off = HostOffload(config, device, model)  # offload="off": the device's own optimizer
+    on_host = off.make_optimizer if off.offload.optimizer else None
     with (
         restored(model, weights=training),
         checkpointed(model, config.checkpoint, selective(config)) as chosen,
-        stepping(model, config, hooks.foreach) as opt,
+        stepping(model, config, hooks.foreach, on_host) as opt,
     ):
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
-        amp = _autocast(config.amp, device, hooks.autocast)
+        amp = autocast_of(config.amp, device, hooks.autocast)
         user = UserStep(model, input_fn, loss_fn, step_fn, device)
-        step = functools.partial(_step, user, config, opt, scaler, amp)
+        step = functools.partial(_step, user, config, opt, scaler, amp, off)
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
-        warm = functools.partial(_step, user, one, opt, scaler, amp)
+        warm = functools.partial(_step, user, one, opt, scaler, amp, off)
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
@@ -149,7 +154,7 @@ def run(
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
                 for _ in range(SCALER_RETRIES if scaler is not None else 0):
-                    if not _skipped(opt):
+                    if not skipped(opt):
                         break
                     warm(_unmarked)
             if hooks.on_measure is not None:
@@ -180,7 +185,7 @@ def run(
                 error=f"CUDA out of memory: {message}",
                 explanation=explained,
             )
-    report = region.report
+    report = off.attach(region.report)  # with what the step kept in host memory
     if chosen:  # what checkpoint='auto' chose, and what it turned off
         report = dataclasses.replace(report, notes=(*report.notes, *chosen))
     ranks = of_run(config, report.breakdown, units)  # one rank's share, for world_size > 1
@@ -206,33 +211,13 @@ def _explained(
         return None
 
 
-def _autocast(
-    amp: Amp, device: torch.device, make: Autocast | None
-) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """The AMP context of the step (a null context with AMP off: a disabled ``torch.autocast``
-    still asks for the device's autocast type, which ``meta`` lacks)."""
-    dtype = amp.dtype
-    if dtype is None:
-        return contextlib.nullcontext
-    if make is not None:
-        return functools.partial(make, dtype)
-    return functools.partial(torch.autocast, device.type, dtype=dtype)
-
-
-def _skipped(opt: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer has not stepped yet: no state (the stateless SGD without momentum
-    counts as stepped)."""
-    if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
-        return False
-    return not any(opt.state.values())
-
-
 def _step(
     user: UserStep,
     config: RunConfig,
     opt: torch.optim.Optimizer | None,
     scaler: torch.amp.GradScaler | None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    off: HostOffload,
     mark: Callable[..., None],
 ) -> tuple[list[Any], list[int]]:
     model, device = user.model, user.device
@@ -261,24 +246,25 @@ def _step(
         return [out], []
     assert opt is not None
     model.train()
-    micro = config.batch_size // config.accumulation
-    for _ in range(config.accumulation):
-        with autocast():
-            out = user.forward(micro, mark)
-            loss = user.loss(out) / config.accumulation
-        if not loss.requires_grad:
-            raise WhatIfError(
-                "The loss does not require grad, so backward has nothing to do: is the forward "
-                "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
-                "forward alone, use mode='no_grad'."
-            )
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del out, loss
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    with off.step(mark):  # offload: the host copies counted, and marked
+        micro = config.batch_size // config.accumulation
+        for _ in range(config.accumulation):
+            with autocast():
+                out = user.forward(micro, mark)
+                loss = user.loss(out) / config.accumulation
+            if not loss.requires_grad:
+                raise WhatIfError(
+                    "The loss does not require grad, so backward has nothing to do: is the forward "
+                    "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
+                    "forward alone, use mode='no_grad'."
+                )
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del out, loss
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     opt.zero_grad(set_to_none=True)
     return [], []
 

@@ -1,0 +1,91 @@
+"""The choices of a step's configuration: string enums that also accept their strings
+(``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same configuration), and
+`WhatIfError`. `memlab.step.config` re-exports them."""
+
+from __future__ import annotations
+
+import torch
+
+from memlab.core.choices import Choice
+
+
+class WhatIfError(ValueError):
+    """A run could not be set up or failed because of its inputs; the message says what to do."""
+
+
+class Amp(Choice):
+    """Automatic mixed precision: off, or autocast to a 16-bit type."""
+
+    OFF = "off"
+    FP16 = "fp16"  # with a gradient scaler
+    BF16 = "bf16"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The 16-bit type autocast computes in (None for "off"): the one AMP table."""
+        return {Amp.FP16: torch.float16, Amp.BF16: torch.bfloat16}.get(self)
+
+
+class Mode(Choice):
+    TRAIN = "train"  # forward, backward, optimizer step
+    NO_GRAD = "no_grad"  # a forward under torch.no_grad()
+    INFERENCE_MODE = "inference_mode"  # a forward under torch.inference_mode()
+    # model.eval() and a forward with grad on, its output kept with its graph: a validation
+    # loop that forgot torch.no_grad()
+    EVAL_WITH_GRAD = "eval_with_grad"
+    # a prompt, then new_tokens tokens one at a time with a key/value cache (memlab.step.generate)
+    GENERATE = "generate"
+
+
+class Retention(Choice):
+    """The graph-retention experiment: evaluation forwards with grad on, outputs kept."""
+
+    OFF = "off"
+    ATTACHED = "attached"  # kept with their graphs: memory grows
+    DETACHED = "detached"  # kept detached: flat
+
+
+class Optimizer(Choice):
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+
+class Sharding(Choice):
+    """How ``world_size`` data-parallel ranks share the model's state (`memlab.step.ranks`)."""
+
+    NONE = "none"  # one rank
+    DDP = "ddp"  # every rank holds everything, and DDP's gradient buckets
+    ZERO1 = "zero1"  # optimizer state sharded
+    ZERO2 = "zero2"  # gradients too
+    ZERO3 = "zero3"  # parameters too
+    FSDP = "fsdp"  # FSDP2's fully_shard: parameters, gradients, state; reshard after forward
+    FSDP_NO_RESHARD = "fsdp_no_reshard"  # fully_shard(reshard_after_forward=False)
+
+
+#: The levers that are switched on or off (RunConfig fields, True or False).
+LEVER_FLAGS = ("expandable_segments", "optimizer_in_backward")
+
+
+class Offload(Choice):
+    """What a training step keeps in host memory (`memlab.step.offload`)."""
+
+    OFF = "off"
+    ACTIVATIONS = "activations"  # saved for backward: packed to the CPU by save_on_cpu
+    OPTIMIZER = "optimizer"  # optimizer state and fp32 master weights on the CPU, stepped there
+    BOTH = "both"
+
+    @property
+    def activations(self) -> bool:
+        return self in (Offload.ACTIVATIONS, Offload.BOTH)
+
+    @property
+    def optimizer(self) -> bool:
+        return self in (Offload.OPTIMIZER, Offload.BOTH)
+
+
+#: Kept for one release: the choices as tuples of strings.
+AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
+#: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
+AMP_DTYPES = {a.value: a.dtype for a in Amp if a.dtype is not None}
