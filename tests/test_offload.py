@@ -124,6 +124,10 @@ def test_offload_is_a_training_lever() -> None:
         RunConfig(mode="no_grad", offload="optimizer")
     with pytest.raises(WhatIfError, match="offload='disk' is not one of"):
         RunConfig(offload="disk")
+    for lever in ({"optimizer_in_backward": True}, {"optimizer_state_bits": 8}):
+        with pytest.raises(WhatIfError, match=r"offload='both'.*cannot go with"):
+            RunConfig(offload="both", **lever)
+        assert RunConfig(offload="activations", **lever).offload == "activations"
     assert RunConfig(offload="both").to_dict()["offload"] == "both"
     assert "offload both" in RunConfig(offload="both").describe()
 
