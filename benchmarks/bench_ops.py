@@ -2,8 +2,9 @@
 
 Beside it, in the same process and interleaved round robin (so a busy machine slows all alike):
 the untracked step, the same step under a dispatch mode that does nothing (the floor of any
-accounting done in Python per op), and PyTorch's MemTracker (torch.distributed._tools) where it
-imports. Timed by the process's CPU time (--wall: wall clock, for a quiet machine).
+accounting done in Python per op), PyTorch's MemTracker (torch.distributed._tools) where it
+imports, and PyTorch's profiler recording memory (its allocation events kept in C++). Timed by
+the process's CPU time (--wall: wall clock, for a quiet machine).
 Target (issue 23): track ≤ 1.5×, with breakdown ≤ 2× the untracked step.
     python benchmarks/bench_ops.py [--rounds 15] [--out FILE]
 """
@@ -77,6 +78,10 @@ def main() -> None:
     }
     if tracker is not None:
         ways["MemTracker"] = tracker
+    # PyTorch's own record of CPU allocations, kept in C++: the profiler's memory events
+    ways["torch.profiler(profile_memory=True)"] = lambda: torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
     with _Nothing():
         before = _Nothing.ops
         step()

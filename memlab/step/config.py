@@ -22,7 +22,6 @@ from memlab.step.options import (
     Optimizer,
     Retention,
     Sharding,
-    WhatIfError,
 )
 
 #: The choices are re-exported: users import them from here.
@@ -42,6 +41,10 @@ __all__ = [
     "Sharding",
     "WhatIfError",
 ]
+
+
+class WhatIfError(ValueError):
+    """A run could not be set up or failed because of its inputs; the message says what to do."""
 
 
 @dataclass(frozen=True)

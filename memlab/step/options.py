@@ -1,16 +1,12 @@
 """The choices of a step's configuration: string enums that also accept their strings
-(``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same configuration), and
-`WhatIfError`. `memlab.step.config` re-exports them."""
+(``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same configuration).
+`memlab.step.config` re-exports them."""
 
 from __future__ import annotations
 
 import torch
 
 from memlab.core.choices import Choice
-
-
-class WhatIfError(ValueError):
-    """A run could not be set up or failed because of its inputs; the message says what to do."""
 
 
 class Amp(Choice):
