@@ -28,8 +28,8 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 #: bitsandbytes' defaults: elements per 4-bit block, absmax values per double-quantized block.
 BLOCK, BLOCK2 = 64, 256
@@ -159,8 +159,8 @@ class QuantizedLinear(nn.Module):
 
 
 class _Dequantized(torch.autograd.Function):
-    """``F.linear`` with a weight dequantized for the product and freed after it, in forward and
-    again in backward (bitsandbytes' ``MatMul4Bit``)."""
+    """A linear product with the weight dequantized for it and freed after it, in forward
+    and again in backward (bitsandbytes' ``MatMul4Bit``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
@@ -169,7 +169,7 @@ class _Dequantized(torch.autograd.Function):
         if w.dtype != x.dtype and not torch.is_autocast_enabled():
             w = w.to(x.dtype)
         bias = layer.bias
-        return F.linear(x, w, None if bias is None else bias.to(w.dtype))
+        return functional.linear(x, w, None if bias is None else bias.to(w.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
