@@ -181,3 +181,17 @@ def test_an_8b_qlora_step_estimates_in_under_a_minute() -> None:
     assert e.tensors.breakdown.at_end[Category.PARAMETER] == want
     assert want < 8 * 2**30 * 0.75  # well under the bf16 model's 15 GiB
     assert math.isfinite(e.peak_allocated) and e.peak_allocated > want
+
+
+def test_the_panel_toggle() -> None:
+    pytest.importorskip("ipywidgets")
+    import memlab
+
+    model = adapted()
+    want = expected_bytes(model, "nf4_double")
+    ex = memlab.Explorer(lambda: model, tokens, config=RunConfig(device="cpu", batch_size=2))
+    ex.base_weights.value = True
+    r = ex.run()
+    assert r is not None and str(r.config.base_weights) == "nf4_double" and r.report is not None
+    assert r.report.breakdown is not None
+    assert r.report.breakdown.at_end[Category.PARAMETER] == want
