@@ -166,7 +166,7 @@ class _Dequantized(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
         ctx.layer = layer
         w = layer.dequantized()
-        if w.dtype != x.dtype and not torch.is_autocast_enabled():
+        if w.dtype != x.dtype:  # as bitsandbytes: the weight takes the input's dtype
             w = w.to(x.dtype)
         bias = layer.bias
         return functional.linear(x, w, None if bias is None else bias.to(w.dtype))
