@@ -1,5 +1,6 @@
 """How long the estimator takes for an 8B-parameter language model built from its config on
-meta (no weights, no GPU): a LoRA fine-tuning step and a generation with a KV cache. The anchor
+meta (no weights, no GPU): a LoRA fine-tuning step (its base in bf16, and in bitsandbytes'
+NF4 layout: QLoRA) and a generation with a KV cache. The anchor
 is the same estimate for a 1/16-depth model (2 layers), measured in the same run.
 
     python benchmarks/bench_llm.py [--out benchmarks/results/llm-cpu.md]
@@ -65,6 +66,10 @@ def prompt(b: int) -> torch.Tensor:
 CASES: dict[str, tuple[Callable[[int], Callable[[], torch.nn.Module]], Any, RunConfig]] = {
     "LoRA r=16 fine-tune, bf16, batch 1 x 1024, checkpointing": (
         lora, batch, RunConfig(batch_size=1, optimizer="adamw", checkpoint="auto"),
+    ),
+    "QLoRA r=16 (NF4 base, double quantization), batch 1 x 1024, checkpointing": (
+        lora, batch, RunConfig(batch_size=1, optimizer="adamw", checkpoint="auto",
+                               base_weights="nf4_double"),
     ),
     "generate 32 tokens after 1024, bf16, batch 4": (
         plain, prompt, RunConfig(mode="generate", new_tokens=32, batch_size=4),

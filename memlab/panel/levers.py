@@ -37,10 +37,17 @@ TOGGLES = (
         "selective checkpointing: checkpointed blocks keep their matrix products' outputs and "
         "recompute the rest (with checkpointing on; torch >= 2.4)",
     ),
+    (
+        "base_weights",
+        "4-bit base weights (QLoRA)",
+        "the frozen base Linear layers in bitsandbytes' NF4 layout with double quantization: "
+        "their bytes are modelled, not bitsandbytes itself, which needs CUDA",
+    ),
 )
 VALUES: dict[str, tuple[Any, Any]] = {
     "optimizer_state_bits": (8, 32),
     "checkpoint_saves": ("matmuls", "nothing"),
+    "base_weights": ("nf4_double", "as_built"),
 }
 
 

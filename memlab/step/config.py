@@ -17,6 +17,7 @@ from memlab.step.options import (
     OPTIMIZERS,
     RETENTION,
     Amp,
+    BaseWeights,
     Mode,
     Offload,
     Optimizer,
@@ -33,6 +34,7 @@ __all__ = [
     "OPTIMIZERS",
     "RETENTION",
     "Amp",
+    "BaseWeights",
     "Mode",
     "Offload",
     "Optimizer",
@@ -74,6 +76,8 @@ class RunConfig:
         reserved memory, not allocated; estimated (`memlab.estimate.expandable`), not measured.
     offload: "off", "activations" (saved for backward, to the CPU), "optimizer" (state and fp32
         master weights on the CPU, stepped there) or "both" (a training step; `Offload`).
+    base_weights: "as_built", or the frozen base Linear layers stored in bitsandbytes' layout:
+        "int8", "nf4" or "nf4_double" (`BaseWeights`); their bytes modelled, not bitsandbytes.
     """
 
     amp: Amp = Amp.OFF
@@ -98,6 +102,7 @@ class RunConfig:
     optimizer_state_bits: int = 32
     checkpoint_saves: str = "nothing"
     offload: Offload = Offload.OFF
+    base_weights: BaseWeights = BaseWeights.AS_BUILT
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -107,6 +112,7 @@ class RunConfig:
             ("optimizer", Optimizer),
             ("sharding", Sharding),
             ("offload", Offload),
+            ("base_weights", BaseWeights),
         ):
             object.__setattr__(self, name, kind.parse(name, getattr(self, name), WhatIfError))
         if isinstance(self.checkpoint, str):
@@ -176,6 +182,8 @@ class RunConfig:
             parts.append(f"checkpoints keep {self.checkpoint_saves}")
         if self.offload != Offload.OFF:
             parts.append(f"offload {self.offload}")
+        if self.base_weights != BaseWeights.AS_BUILT:
+            parts.append(f"base weights {self.base_weights}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +210,7 @@ class RunConfig:
             "optimizer_state_bits": self.optimizer_state_bits,
             "checkpoint_saves": self.checkpoint_saves,
             "offload": str(self.offload),
+            "base_weights": str(self.base_weights),
         }
 
 

@@ -81,6 +81,15 @@ class Offload(Choice):
         return self in (Offload.OPTIMIZER, Offload.BOTH)
 
 
+class BaseWeights(Choice):
+    """How the frozen base Linear layers' weights are stored (`memlab.step.base_weights`)."""
+
+    AS_BUILT = "as_built"  # as the model was built
+    INT8 = "int8"  # bitsandbytes' LLM.int8: int8, a float32 scale per row
+    NF4 = "nf4"  # bitsandbytes' 4-bit NormalFloat: packed codes, a float32 absmax per 64
+    NF4_DOUBLE = "nf4_double"  # the same, the absmax double-quantized (QLoRA)
+
+
 #: Kept for one release: the choices as tuples of strings.
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).

@@ -25,6 +25,7 @@ from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
+from memlab.step.base_weights import quantized_base
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import cache_note, generate
 from memlab.step.levers import lever_notes, selective, stepping
@@ -134,6 +135,7 @@ def run(
     off = HostOffload(config, device, model)  # offload="off": the device's own optimizer
     on_host = off.make_optimizer if off.offload.optimizer else None
     with (
+        quantized_base(model, config) as based,  # base_weights: before restored() sees them
         restored(model, weights=training),
         checkpointed(model, config.checkpoint, selective(config)) as chosen,
         stepping(model, config, hooks.foreach, on_host) as opt,
@@ -165,7 +167,7 @@ def run(
                 kept, series = step(functools.partial(_mark, region))
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept))
-            chosen += lever_notes(config, device)
+            chosen += lever_notes(config, device) + based.notes
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
