@@ -7,7 +7,7 @@ The rules (c10/cuda/CUDACachingAllocator.cpp, default settings):
   10 MiB, and the request rounded up to 2 MiB otherwise;
 - a request takes the smallest cached free block of its pool and stream that fits (ties: the
   lowest address), else a new segment; without the driver's addresses, a new segment lies
-  below the others (the driver's order in the H100 traces: tests/data/validation);
+  below the others (the driver's order in the validation runs' traces, tests/data/validation);
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large
   pool); otherwise the whole block is handed out and counted as allocated;
 - a freed block merges with free neighbours of its segment; whole free segments go back to the
