@@ -14,7 +14,7 @@ import torch
 
 from memlab.estimate import estimate
 from memlab.estimate.trace import diff, events_of, read, replay
-from memlab.examples.cases import MODELS, REBUILT, case_file, config
+from memlab.examples.cases import MODELS, OPTIONAL, REBUILT, case_file, config
 
 VALIDATION = Path(__file__).parent / "data" / "validation"
 
@@ -133,3 +133,28 @@ def test_the_rebuilt_resnet50_with_checkpointing_is_within_its_range() -> None:
         low, high = e.bounds[figure]
         truth = stats[figure]
         assert abs(getattr(e, figure) - truth) <= target * truth or low <= truth <= high
+
+
+@pytest.mark.slow
+def test_gpt2_checkpointed_with_use_cache_left_on_makes_the_stored_measurement() -> None:
+    # the stored GPU run of this case came from a runner that left use_cache on under
+    # checkpointing; the estimator's runner turns it off, so its row in RESULTS.md is 4 % low.
+    # With the cache kept on, as in that run, the estimate is the measurement.
+    transformers = pytest.importorskip("transformers")
+    model_fn, input_fn, _, _ = OPTIONAL["transformers"]["gpt-2 small (transformers)"]
+
+    def cache_kept_on() -> torch.nn.Module:
+        model = model_fn()
+        kind = type(model.config)
+        assert issubclass(kind, transformers.PretrainedConfig)
+        # a subclass of this one model's configuration, whose use_cache stays on
+        model.config.__class__ = type(
+            "KeptOn", (kind,), {"use_cache": property(lambda _: True, lambda _, v: None)}
+        )
+        return model
+
+    case = config("gpt-2 small (transformers)", "checkpoint adam")
+    e = estimate(cache_kept_on, input_fn, None, case, gpu="H100 80GB")
+    stats = recorded("gpt-2 small (transformers)", "checkpoint adam")["stats"]
+    assert e.peak_allocated == stats["peak_allocated"]
+    assert e.peak_reserved == stats["peak_reserved"]
