@@ -125,7 +125,6 @@ def estimate(
 
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
     ledger.attach(listener)
-    UNMEASURED.active = cuda_kernels  # the warm-up: on a GPU, without a dispatch mode
     try:
         sms = sms_of(card.name if card else None)
         with _cuda_like(cuda_kernels, workspaces.take, sms), OrdinaryInputs(assumed) as checks:
@@ -143,7 +142,6 @@ def estimate(
             raise
         raise WhatIfError(data_dependent(cause)) from cause
     finally:
-        UNMEASURED.active = False
         ledger.detach(listener)
     if result.report is None or listener.measured_from is None:
         raise WhatIfError(f"the step did not run: {result.error}")

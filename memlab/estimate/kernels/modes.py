@@ -16,6 +16,7 @@ from memlab.estimate.kernels.buffers import (
     efficient_backward_buffers,
     embedding_backward,
 )
+from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.plain import accumulated
 from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
 
@@ -67,11 +68,22 @@ class CudaAllocations(OwnedMode):
       gradient that arrives twice in place (`memlab.estimate.kernels.plain`).
 
     ``sms``: the card's multiprocessors, which set the staging buffer's size. Enter it after the
-    accounting's mode, so that the accounting sees what it allocates."""
+    accounting's mode, so that the accounting sees what it allocates. Entering it starts the
+    warm-up's emulation (`memlab.estimate.kernels.plain.STATE`), which the estimator ends where
+    the measured step starts; leaving it ends it in any case."""
 
     def __init__(self, sms: int = DEFAULT_SMS) -> None:
         super().__init__()
         self.sms = sms
+
+    def __enter__(self) -> CudaAllocations:
+        super().__enter__()
+        UNMEASURED.active = True  # the warm-up: on a GPU, without a dispatch mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        UNMEASURED.active = False
+        super().__exit__(*exc)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
