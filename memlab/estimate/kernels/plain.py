@@ -14,7 +14,7 @@ runs under one only on ``meta``. So on a GPU, in the warm-up only:
   allocates the sum anew.
 
 The warm-up's allocations do not count in the measured peaks, but they shape the cache the
-measured step finds: on the encoder's checkpointed step, the transient sums moved 150 MiB of
+measured step finds: on the encoder's checkpointed step, the transient sums moved 144 MiB of
 peak reserved (tests/data/validation/encoder-bert-base-width-checkpoint-adam). `Unmeasured`
 emulates both while the estimate's warm-up runs; the estimator turns it off where the measured
 step starts.
