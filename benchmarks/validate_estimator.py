@@ -51,7 +51,7 @@ from memlab.estimate import GPU, estimate
 from memlab.estimate.gpus import matching
 from memlab.estimate.redirect import redirected
 from memlab.estimate.trace import compact, recorded
-from memlab.examples.cases import CONFIGS, Case, case_file, installed
+from memlab.examples.cases import CONFIGS, REBUILT, Case, case_file, installed
 from memlab.examples.cases import MODELS as TORCH_NN_MODELS
 from memlab.step import RunConfig, StepHooks, run
 from memlab.step.model import optimizer
@@ -233,6 +233,9 @@ def main() -> None:
     args = parser.parse_args()
     if not args.one or args.one[0] not in MODELS:
         MODELS.update(installed())
+    if args.repredict or (args.one and args.gpu):  # where the library is missing: the rebuild
+        for name, rebuilt in REBUILT.items():
+            MODELS.setdefault(name, rebuilt)
     traces = Path(args.traces) if args.traces else None
     if args.one and args.gpu:  # the child process of one case predicted again
         print(json.dumps(predict(*args.one, args.gpu)))
@@ -299,6 +302,7 @@ def repredict(path: Path, jobs: int, out: str | None, log: str | None) -> None:
     def again(row: dict[str, Any]) -> dict[str, Any]:
         if row["model"] not in MODELS:  # not installed here: the GPU machine's prediction
             return {**row, "stored": True}
+        rebuilt = MODELS[row["model"]] is REBUILT.get(row["model"])
         gpu = row.get("gpu", "H100 80GB").split(" (")[0]
         command = [sys.executable, __file__, "--one", row["model"], row["config"], "--gpu", gpu]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -307,7 +311,7 @@ def repredict(path: Path, jobs: int, out: str | None, log: str | None) -> None:
         except (IndexError, json.JSONDecodeError):
             fresh = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
         kept = {k: v for k, v in row["predicted"].items() if k in ("memtracker", "torchinfo")}
-        return {**row, "predicted": {**fresh, **kept}}
+        return {**row, "predicted": {**fresh, **kept}, **({"rebuilt": True} if rebuilt else {})}
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         rows = list(pool.map(again, rows))
@@ -347,7 +351,7 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             alloc_errors.append(abs(ea))
         if er is not None:
             reserved_errors.append(abs(er))
-        mark = " †" if r.get("stored") else ""
+        mark = " †" if r.get("stored") else " ‡" if r.get("rebuilt") else ""
         ra, rr = (span(pred, real, k) for k in ("peak_allocated", "peak_reserved"))
         lines.append(
             f"| {r['model']}{mark} | {r['config']} | {mib(real.get('peak_allocated'))} | "
@@ -372,6 +376,12 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             "",
             "† predicted on the GPU machine: the model is not installed where the "
             "others were predicted again.",
+        ]
+    if any(r.get("rebuilt") for r in rows):
+        lines += [
+            "",
+            "‡ predicted again with the model rebuilt from torch.nn "
+            "(`memlab.examples.cases.REBUILT`): its library does not import here.",
         ]
     return lines
 

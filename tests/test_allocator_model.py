@@ -72,11 +72,21 @@ def test_best_fit_takes_the_smallest_free_block_that_fits() -> None:
 
 def test_equal_blocks_are_taken_lowest_address_first() -> None:
     a = CachingAllocator()
+    first, second = a.malloc(12 * MiB, 0, 0x2000_0000), a.malloc(12 * MiB, 0, 0x1000_0000)
+    a.free(first)
+    a.free(second)
+    assert a._live[a.malloc(12 * MiB)].segment == 0x1000_0000
+
+
+def test_without_the_drivers_addresses_new_segments_lie_below_the_others() -> None:
+    # the driver's order in the validation runs' traces (tests/test_estimate_warmup.py)
+    a = CachingAllocator()
     first, second = a.malloc(12 * MiB), a.malloc(12 * MiB)
-    base = a._live[first].segment
+    lower = a._live[second].segment
+    assert lower + 12 * MiB < a._live[first].segment  # below, and not contiguous
     a.free(second)
     a.free(first)
-    assert a._live[a.malloc(12 * MiB)].segment == base
+    assert a._live[a.malloc(12 * MiB)].segment == lower
 
 
 def test_free_merges_neighbours_and_empty_cache_returns_whole_segments() -> None:

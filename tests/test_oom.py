@@ -54,11 +54,14 @@ def test_figures_of_a_recorded_cache_match_its_memory_stats(path: str) -> None:
 
 
 def _replay_until_oom(events: list[dict[str, Any]], capacity: int) -> tuple[int, Any]:
-    model, handles = CachingAllocator(capacity), {}
+    model, handles, at = CachingAllocator(capacity), {}, None  # the driver's segment address
     for i, e in enumerate(events):
         try:
-            if e["action"] == "alloc":
-                handles[e["addr"]] = model.malloc(e["size"], e.get("stream", 0))
+            if e["action"] == "segment_alloc":
+                at = e["addr"]
+            elif e["action"] == "alloc":
+                handles[e["addr"]] = model.malloc(e["size"], e.get("stream", 0), at)
+                at = None
         except SimulatedOutOfMemoryError:
             return i, model
         if e["action"] == "free_completed" and e["addr"] in handles:

@@ -6,7 +6,8 @@ The rules (c10/cuda/CUDACachingAllocator.cpp, default settings):
 - a new segment (cudaMalloc) is 2 MiB for the small pool, 20 MiB for large requests under
   10 MiB, and the request rounded up to 2 MiB otherwise;
 - a request takes the smallest cached free block of its pool and stream that fits (ties: the
-  lowest address), else a new segment;
+  lowest address), else a new segment; without the driver's addresses, a new segment lies
+  below the others (the driver's order in the validation runs' traces, tests/data/validation);
 - the block is split when the rest is at least 512 B (small pool) or more than 1 MiB (large
   pool); otherwise the whole block is handed out and counted as allocated;
 - a freed block merges with free neighbours of its segment; whole free segments go back to the
@@ -88,7 +89,7 @@ class CachingAllocator:
         self._free: dict[tuple[bool, int], list[tuple[int, int, Block]]] = {}
         self._live: dict[int, Block] = {}
         self._handles = itertools.count(1)
-        self._next_addr = 1 << 32  # segments get increasing addresses, never reused
+        self._next_addr = 1 << 48  # segments get decreasing addresses, never reused
 
     # -- the public operations ------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0, segment_at: int | None = None) -> int:
@@ -183,9 +184,10 @@ class CachingAllocator:
                     f"cannot reserve {size:,} B more: {self.stats.reserved:,} B of "
                     f"{self.capacity:,} B are reserved, {self.stats.allocated:,} B allocated"
                 )
-        # without the driver's address: increasing ones, with a gap (never contiguous)
-        addr = self._next_addr if at is None else at
-        self._next_addr = max(self._next_addr, addr + size + ROUND_LARGE)
+        # without the driver's address: below every segment so far, with a gap (never
+        # contiguous), as the driver handed them out in the recorded traces (top down)
+        addr = self._next_addr - size - ROUND_LARGE if at is None else at
+        self._next_addr = min(self._next_addr, addr)
         self.stats.reserved += size
         self.stats.segments += 1
         self.stats.peak_reserved = max(self.stats.peak_reserved, self.stats.reserved)

@@ -27,6 +27,7 @@ from memlab.estimate.kernels import (
     HostRandomState,
     cuda_functions,
 )
+from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.reduce import sms_of
 from memlab.estimate.kernels.rnn import flatten_patch
 from memlab.estimate.listener import AllocatorListener
@@ -50,8 +51,7 @@ from memlab.step.model import config_of
 from memlab.step.ranks import one_process
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
-#: What an estimate cannot see, said in every estimate's notes.
-NOT_MODELLED = "not modelled: other CUDA-only buffers (docs/estimator.md)"
+NOT_MODELLED = "not modelled: other CUDA-only buffers (docs/estimator.md)"  # in every note
 
 
 def estimate(
@@ -120,6 +120,7 @@ def estimate(
     def measuring(moment: str) -> None:
         if moment != "opened":  # inside the region, nothing to settle
             ledger.settle()  # the frees so far belong before the mark
+        UNMEASURED.active = False  # measured: under memlab's dispatch mode on a GPU too
         listener.measuring(moment)
 
     hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)

@@ -9,6 +9,7 @@ import linecache
 import sys
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,18 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
             " for an estimate, model_fn must build the model, so that it can be built on "
             "the meta device without memory, e.g. model_fn=lambda: MyModel(config)."
         )
-    fresh: dict[int, torch.Tensor] = {}
+    # a tied weight moves once; the new storage is held weakly, so that what replaces it at
+    # once (the recurrent layers' weights, moved into one flat buffer by flatten_parameters
+    # as each layer arrives) is freed then, before the next module's parameters arrive
+    moved: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
 
-    def materialize(t: torch.Tensor) -> torch.Tensor:  # a tied weight moves once
-        if id(t) not in fresh:
-            fresh[id(t)] = torch.empty_like(t)
-        return fresh[id(t)]
+    def materialize(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in moved:
+            new = moved[id(t)][1]()
+            return t if new is None else new  # a parameter holds its new storage itself
+        new = torch.empty_like(t)
+        moved[id(t)] = (t, weakref.ref(new))  # t kept: its id stays its own
+        return new
 
     _torch.apply_to_tensors(model, materialize)
     return model

@@ -90,10 +90,14 @@ def events_of(snapshot: Mapping[str, Any] | list[dict[str, Any]]) -> list[dict[s
 
 
 def replay(
-    snapshot: Mapping[str, Any] | list[dict[str, Any]], start: int = 0, end: int | None = None
+    snapshot: Mapping[str, Any] | list[dict[str, Any]],
+    start: int = 0,
+    end: int | None = None,
+    addresses: bool = True,
 ) -> ReplayResult:
     """Replay a trace (a snapshot, or its list of events) through the allocator model. The
-    peaks are taken over events ``start`` to ``end`` (e.g. one step of a longer trace)."""
+    peaks are taken over events ``start`` to ``end`` (e.g. one step of a longer trace).
+    ``addresses=False``: without the driver's segment addresses, as an estimate has none."""
     events = events_of(snapshot)
     end = len(events) if end is None else end
     model = CachingAllocator()
@@ -123,7 +127,8 @@ def replay(
             allocations += 1
             real_requested += size
             before = model.stats.reserved
-            handles[addr] = model.malloc(size, int(e.get("stream", 0)), pending_at)
+            at = pending_at if addresses else None
+            handles[addr] = model.malloc(size, int(e.get("stream", 0)), at)
             grew = model.stats.reserved - before
             real = f"reserved a {pending_segment:,} B segment" if pending_segment else "reused"
             mine = f"reserved a {grew:,} B segment" if grew else "reused"

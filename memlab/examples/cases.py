@@ -30,6 +30,7 @@ from memlab.examples.language import (
     transformers_gpt2,
 )
 from memlab.examples.vision import (
+    TorchvisionResNet50,
     ViT,
     resnet18,
     small_cnn,
@@ -100,6 +101,12 @@ OPTIONAL: dict[str, dict[str, Case]] = {
         "gpt-2 small (transformers)": Case(transformers_gpt2, ids(50257, 512), 4, "auto"),
         "bert-base (transformers)": Case(transformers_bert, ids(30522, 256), 16, "auto"),
     },
+}
+
+#: `OPTIONAL` models rebuilt from torch.nn, to predict their recorded cases again where their
+#: library does not import (the rebuild's parameters match the recorded model's arrival).
+REBUILT: dict[str, Case] = {
+    "resnet-50 (torchvision)": Case(TorchvisionResNet50, images(224), 32, "auto"),
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -131,3 +131,59 @@ def torchvision_vit_b_16() -> nn.Module:
     """torchvision's ViT-B/16, untrained (no download). Needs torchvision, imported here."""
     model: nn.Module = importlib.import_module("torchvision.models").vit_b_16()
     return model
+
+
+class TorchvisionBottleneck(nn.Module):
+    """torchvision's ``Bottleneck`` (ResNet v1.5: the stride on the 3×3), its modules in its
+    order, with its in-place ReLU and residual sum."""
+
+    def __init__(self, cin: int, width: int, stride: int, down: nn.Module | None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x if self.downsample is None else self.downsample(x)
+        done: torch.Tensor = self.relu(out)
+        return done
+
+
+class TorchvisionResNet50(nn.Module):
+    """torchvision's ``resnet50()`` rebuilt from torch.nn: the same modules, parameters and
+    buffers in the same order, the same forward (in-place ReLUs and sums), so that where
+    torchvision does not import, its validation cases can still be predicted. The recorded
+    model's arrival on the GPU (tests/data/validation/resnet-50-torchvision-*) checks the
+    parameters' order and sizes."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin, stages = 64, []
+        for width, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            down = nn.Sequential(nn.Conv2d(cin, width * 4, 1, stride, bias=False))
+            down.append(nn.BatchNorm2d(width * 4))
+            blocks = [TorchvisionBottleneck(cin, width, stride, down)]
+            blocks += [TorchvisionBottleneck(width * 4, width, 1, None) for _ in range(count - 1)]
+            stages.append(nn.Sequential(*blocks))
+            cin = width * 4
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(2048, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        out: torch.Tensor = self.fc(torch.flatten(self.avgpool(x), 1))
+        return out

@@ -29,6 +29,7 @@ from memlab.estimate.kernels.modes import (
     CudaAllocations,
     HostRandomState,
 )
+from memlab.estimate.kernels.plain import linear_patch
 from memlab.estimate.kernels.rnn import patches as rnn_patches
 
 __all__ = [
@@ -53,6 +54,7 @@ def cuda_functions() -> Iterator[None]:
     patches: list[tuple[Any, str, Any]] = [
         (F, "scaled_dot_product_attention", attention),
         (F, "dropout", dropout),
+        linear_patch(),  # in the warm-up, the bias added in place (kernels/plain.py)
         *_torch.fused_op_patches(
             on_meta(_mha_fast, _torch.native_multi_head_attention),
             on_meta(_encoder_layer_fast, _torch.transformer_encoder_layer_fwd),

@@ -16,6 +16,8 @@ from memlab.estimate.kernels.buffers import (
     efficient_backward_buffers,
     embedding_backward,
 )
+from memlab.estimate.kernels.plain import STATE as UNMEASURED
+from memlab.estimate.kernels.plain import accumulated
 from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
 
 aten = torch.ops.aten
@@ -61,14 +63,27 @@ class CudaAllocations(OwnedMode):
     - cuDNN's convolutions take a workspace for the call, after their outputs, of a size its
       algorithm sets (`conv_workspace`: a range);
     - CUDA's embedding backward over more than 3,072 indices sorts them and sums per segment,
-      with temporaries of its own (`embedding_backward`).
+      with temporaries of its own (`embedding_backward`);
+    - in the warm-up step, which a GPU runs without a dispatch mode, the autograd engine sums a
+      gradient that arrives twice in place (`memlab.estimate.kernels.plain`).
 
     ``sms``: the card's multiprocessors, which set the staging buffer's size. Enter it after the
-    accounting's mode, so that the accounting sees what it allocates."""
+    accounting's mode, so that the accounting sees what it allocates. Entering it starts the
+    warm-up's emulation (`memlab.estimate.kernels.plain.STATE`), which the estimator ends where
+    the measured step starts; leaving it ends it in any case."""
 
     def __init__(self, sms: int = DEFAULT_SMS) -> None:
         super().__init__()
         self.sms = sms
+
+    def __enter__(self) -> CudaAllocations:
+        super().__enter__()
+        UNMEASURED.active = True  # the warm-up: on a GPU, without a dispatch mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        UNMEASURED.active = False
+        super().__exit__(*exc)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -76,6 +91,9 @@ class CudaAllocations(OwnedMode):
         first = args[0] if args else None
         if not isinstance(first, torch.Tensor) or first.device.type != "meta":
             return func(*args, **(kwargs or {}))
+        summed = accumulated(func, args, kwargs)
+        if summed is not None:
+            return summed
         if func is aten.native_layer_norm.default and not first.is_contiguous():
             copy = torch.empty(first.shape, dtype=first.dtype, device=first.device)
             out = func(*args, **(kwargs or {}))

@@ -85,9 +85,10 @@ def _forward(call: _Call, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | 
     y = x.new_empty((seq, batch, call.hidden * call.dirs))
     hy = hx.new_empty(hx.shape)
     cy = None if cx is None else cx.new_empty(cx.shape)
-    _buffer(sizes.workspace, f"{what} workspace", x)  # for the call only: freed at once
+    # the workspace for the call only; the reserve space is taken while it is held (traces)
+    workspace = _buffer(sizes.workspace, f"{what} workspace", x)
     reserve = _buffer(sizes.reserve, f"{what} reserve space", x) if call.train else None
-    del xc
+    del workspace, xc
     return y, hy, cy, reserve
 
 
