@@ -10,6 +10,7 @@ Two kinds of model: one that takes and returns a cache as Hugging Face's do
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,12 +23,21 @@ from memlab.step.model import call, check_device
 from memlab.step.user import UserStep, refused_arguments, tensors_in
 
 Mark = Callable[[torch.Tensor, Category], None]
+#: Labels the timeline's events inside a block ("prefill", "decode"): `memlab.track.phase`.
+Stage = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
-def generate(user: UserStep, config: RunConfig, mark: Mark) -> list[Any]:
+def unstaged(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A `Stage` that labels nothing (a warm-up, which is not measured)."""
+    return contextlib.nullcontext()
+
+
+def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unstaged) -> list[Any]:
     """Prefill and decode under ``torch.no_grad()``; marks the prompt as input and the cache's
     tensors as ``kv_cache``; returns what stays alive after: the generated tokens and the
-    cache (kept as a chat keeps it for its next turn)."""
+    cache (kept as a chat keeps it for its next turn). Each call of the model is labelled in
+    the timeline, "prefill" for the prompt's and "decode" for each new token's; picking the
+    token between them stays "other", so the decode steps stand apart."""
     if user.step_fn is not None:
         raise WhatIfError(
             "mode='generate' runs its own decoding loop and cannot take a step_fn: pass the "
@@ -42,19 +52,20 @@ def generate(user: UserStep, config: RunConfig, mark: Mark) -> list[Any]:
     with torch.no_grad():
         for name in ("past_key_values", "cache"):  # "cache" in newer transformers
             if hasattr(model, "generate") and _takes(model, name):
-                return _hugging_face(model, prompt, config, mark, name)
-        return _plain(model, prompt, config, mark)
+                return _hugging_face(model, prompt, config, mark, stage, name)
+        return _plain(model, prompt, config, mark, stage)
 
 
 def _hugging_face(
-    model: Any, prompt: Any, config: RunConfig, mark: Mark, cache_name: str
+    model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage, cache_name: str
 ) -> list[Any]:
     kwargs = dict(prompt) if isinstance(prompt, Mapping) else {"input_ids": prompt}
     kwargs.pop("labels", None)  # a loss is not part of generating
     if config.logits == "last" and _takes(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1  # as Hugging Face's generate() asks in its prefill
     mask = kwargs.get("attention_mask")
-    out = model(**kwargs, use_cache=True)
+    with stage("prefill"):
+        out = model(**kwargs, use_cache=True)
     tokens = []
     for _ in range(config.new_tokens):
         cache = _cache_of(out)
@@ -66,20 +77,22 @@ def _hugging_face(
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             step["attention_mask"] = mask
         del out  # the last step's logits go before the next step's come
-        out = model(**step)
+        with stage("decode"):
+            out = model(**step)
     cache = _cache_of(out)
     _mark_cache(cache, mark)
     return [tokens, cache]
 
 
-def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark) -> list[Any]:
+def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage) -> list[Any]:
     if not isinstance(prompt, torch.Tensor):
         raise WhatIfError(
             f"mode='generate' with a model that is not a Hugging Face one needs input_fn to "
             f"return the prompt's token ids as one tensor, not {type(prompt).__name__}."
         )
     try:
-        first = model(prompt, None)
+        with stage("prefill"):
+            first = model(prompt, None)
     except TypeError as e:
         if not refused_arguments(e):
             raise
@@ -96,7 +109,8 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark) -> list[Any]:
         tokens.append(token)
         cache = out[1]
         del out  # the last step's logits go before the next step's come
-        out = _pair(model(token, cache))
+        with stage("decode"):
+            out = _pair(model(token, cache))
         del cache
     _mark_cache(out[1], mark)
     return [tokens, out[1]]
