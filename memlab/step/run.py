@@ -27,7 +27,8 @@ from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.base_weights import quantized_base
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
-from memlab.step.generate import Stage, cache_note, generate, unstaged
+from memlab.step.generate import Stage, generate, unstaged
+from memlab.step.kvcache import cache_note
 from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
     autocast_of,
@@ -166,7 +167,7 @@ def run(
                     hooks.on_measure("opened")  # the region's clock has started
                 kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
-                chosen.append(cache_note(model, config, kept))
+                chosen.append(cache_note(model, config, kept[1], kept[2]))
             chosen += lever_notes(config, device) + based.notes
             del kept
             if hooks.on_measure is not None:
