@@ -60,12 +60,16 @@ class GenerationFit(Result):
         """The lines below the headline (text and HTML both show them)."""
         unit = "sequences" if self.searched == "batch" else "tokens"
         out = [f"{self.new_tokens} new tokens a sequence; {self.config}"]
+        shown = fmt_bytes
+        figures = [f for f in (self.peak, self.next_peak, self.usable) if f is not None]
+        if len({fmt_bytes(f) for f in figures}) < len(figures):  # too close to tell apart
+            shown = "{:,} B".format
         if self.peak is not None:
-            out.append(f"predicted peak reserved at {self.answer:,} {unit}: {fmt_bytes(self.peak)}")
+            out.append(f"predicted peak reserved at {self.answer:,} {unit}: {shown(self.peak)}")
         if self.next_peak is not None:
             out.append(
-                f"at {self.answer + 1:,}: {fmt_bytes(self.next_peak)}, over the "
-                f"{fmt_bytes(self.usable)} usable"
+                f"at {self.answer + 1:,}: {shown(self.next_peak)}, over the "
+                f"{shown(self.usable)} usable"
             )
         elif self.answer >= self.limit:
             out.append(f"stopped at the limit searched, {self.limit:,} {unit}")
