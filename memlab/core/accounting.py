@@ -63,6 +63,9 @@ class Accountant:
         self._stack = contextlib.ExitStack()
         self._module_depth = 0
         self._optimizer_depth = 0
+        #: A phase the front end labelled (`memlab.track.phase`), 0 when none: it stands for
+        #: "forward" and "other" while set (one attribute read on the per-event path).
+        self.labelled = 0
         self._sweep_queued = False
         self._mode: _Mode | None = None
         self.comms = Collectives(ledger, self._error)
@@ -164,6 +167,8 @@ class Accountant:
             return Phase.BACKWARD
         if self._optimizer_depth:
             return Phase.OPTIMIZER
+        if self.labelled:
+            return self.labelled
         if self._module_depth:
             return Phase.FORWARD
         return Phase.OTHER

@@ -23,10 +23,12 @@ from memlab.core.ledger import Ledger
 
 
 class Phase:
-    """Codes for what the program was doing when an event happened."""
+    """Codes for what the program was doing when an event happened. A front end may label a
+    stretch of the region itself (`memlab.track.phase`): a generation's prompt read at once
+    ("prefill") and its tokens made one at a time ("decode")."""
 
-    OTHER, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
-    NAMES = ("other", "forward", "backward", "optimizer")
+    OTHER, FORWARD, BACKWARD, OPTIMIZER, PREFILL, DECODE = 0, 1, 2, 3, 4, 5
+    NAMES = ("other", "forward", "backward", "optimizer", "prefill", "decode")
 
 
 _BYTES, _SAVED, _UNSAVED = 0, 1, 2

@@ -9,6 +9,8 @@ from memlab.estimate.distributed import (
     per_rank,
     strategies,
 )
+from memlab.estimate.fit_result import GenerationFit
+from memlab.estimate.generation import fit_generation
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.predict import estimate
 from memlab.estimate.result import Estimate
@@ -17,11 +19,13 @@ __all__ = [
     "GPU",
     "GPUS",
     "Estimate",
+    "GenerationFit",
     "RankMemory",
     "StrategyTable",
     "after_oom",
     "compare",
     "estimate",
+    "fit_generation",
     "model_states",
     "per_rank",
     "strategies",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -15,7 +16,7 @@ from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.recorder import Recorder
+from memlab.core.recorder import Phase, Recorder
 from memlab.region.assemble import assemble
 from memlab.reports.report import MemoryReport, Reports
 
@@ -161,6 +162,25 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             raise RuntimeError("mark() works inside the region's `with` block.")
         if self._accountant is not None:
             self._accountant.mark(t, category)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label the region's events inside the block as phase ``name`` ("prefill" or "decode":
+        a generation's prompt read at once, then its tokens one at a time) in the timeline,
+        where they would say "forward" or "other"; a backward or an optimizer step inside
+        keeps its own. Blocks nest; the innermost label applies."""
+        labels = Phase.NAMES[Phase.PREFILL :]
+        if name not in labels:
+            raise ValueError(f"phase must be one of {', '.join(map(repr, labels))}, not {name!r}.")
+        acc = self._accountant
+        if acc is None:  # no events are kept: nothing to label
+            yield
+            return
+        outer, acc.labelled = acc.labelled, Phase.NAMES.index(name)
+        try:
+            yield
+        finally:
+            acc.labelled = outer
 
     def _watched(self) -> Iterable[Any]:
         return self._watch() if callable(self._watch) else _alive(self._watch)

@@ -17,7 +17,13 @@ if TYPE_CHECKING:
 
     from memlab.reports.report import MemoryReport
 
-_PHASE_COLOURS = {"forward": "#d6eaf8", "backward": "#fdebd0", "optimizer": "#e8daef"}
+_PHASE_COLOURS = {
+    "forward": "#d6eaf8",
+    "backward": "#fdebd0",
+    "optimizer": "#e8daef",
+    "prefill": "#fadbd8",
+    "decode": "#d5f5e3",
+}
 CATEGORY_COLOURS = {
     Category.PARAMETER: "#1f4e79",
     Category.BUFFER: "#5b9bd5",

@@ -78,6 +78,8 @@ class RunConfig:
         master weights on the CPU, stepped there) or "both" (a training step; `Offload`).
     base_weights: "as_built", or the frozen base Linear layers stored in bitsandbytes' layout:
         "int8", "nf4" or "nf4_double" (`BaseWeights`); their bytes modelled, not bitsandbytes.
+    cache: "dynamic" (grown a token at a time) or "static" (Hugging Face's StaticCache: room
+        for the prompt and every new token taken up front; mode "generate").
     """
 
     amp: Amp = Amp.OFF
@@ -103,6 +105,8 @@ class RunConfig:
     checkpoint_saves: str = "nothing"
     offload: Offload = Offload.OFF
     base_weights: BaseWeights = BaseWeights.AS_BUILT
+    # generation (memlab.step.kvcache): Hugging Face's cache class
+    cache: str = "dynamic"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -144,6 +148,7 @@ class RunConfig:
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
+        _check_generation(self)
         if self.offload != Offload.OFF and not self.training:
             raise WhatIfError(
                 f"offload={str(self.offload)!r} moves a training step's memory to the host: use "
@@ -184,6 +189,7 @@ class RunConfig:
             parts.append(f"offload {self.offload}")
         if self.base_weights != BaseWeights.AS_BUILT:
             parts.append(f"base weights {self.base_weights}")
+        parts += ["static cache"] if self.cache == "static" else []
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,6 +217,7 @@ class RunConfig:
             "checkpoint_saves": self.checkpoint_saves,
             "offload": str(self.offload),
             "base_weights": str(self.base_weights),
+            "cache": self.cache,
         }
 
 
@@ -272,4 +279,15 @@ def _check_levers(c: RunConfig) -> None:
         raise WhatIfError(
             "checkpoint_saves chooses what checkpointed blocks keep: also pass "
             "checkpoint='auto' or the module paths to checkpoint."
+        )
+
+
+def _check_generation(c: RunConfig) -> None:
+    """The generation fields (`memlab.step.kvcache`)."""
+    if c.cache not in ("dynamic", "static"):
+        raise WhatIfError(f"cache must be 'dynamic' or 'static', not {c.cache!r}.")
+    if c.cache == "static" and c.mode != Mode.GENERATE:
+        raise WhatIfError(
+            "cache='static' is the key/value cache of a generation: use mode='generate', or "
+            "cache='dynamic'."
         )

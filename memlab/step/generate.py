@@ -10,6 +10,7 @@ Two kinds of model: one that takes and returns a cache as Hugging Face's do
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,16 +19,30 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
+from memlab.step.kvcache import cache_shape, cache_tensors, kv_cache_bytes, static_cache
 from memlab.step.model import call, check_device
 from memlab.step.user import UserStep, refused_arguments, tensors_in
 
+#: Their home is `memlab.step.kvcache`; kept importable from here.
+__all__ = ["cache_shape", "cache_tensors", "generate", "kv_cache_bytes", "unstaged"]
+
 Mark = Callable[[torch.Tensor, Category], None]
+#: Labels the timeline's events inside a block ("prefill", "decode"): `memlab.track.phase`.
+Stage = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
-def generate(user: UserStep, config: RunConfig, mark: Mark) -> list[Any]:
+def unstaged(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A `Stage` that labels nothing (a warm-up, which is not measured)."""
+    return contextlib.nullcontext()
+
+
+def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unstaged) -> list[Any]:
     """Prefill and decode under ``torch.no_grad()``; marks the prompt as input and the cache's
     tensors as ``kv_cache``; returns what stays alive after: the generated tokens and the
-    cache (kept as a chat keeps it for its next turn)."""
+    cache (kept as a chat keeps it for its next turn), and the number of tokens it has seen.
+    Each call of the model is labelled in the timeline, "prefill" for the prompt's and
+    "decode" for each new token's; picking the token between them stays "other", so the
+    decode steps stand apart."""
     if user.step_fn is not None:
         raise WhatIfError(
             "mode='generate' runs its own decoding loop and cannot take a step_fn: pass the "
@@ -40,21 +55,27 @@ def generate(user: UserStep, config: RunConfig, mark: Mark) -> list[Any]:
         mark(t, Category.INPUT)
     model = user.model
     with torch.no_grad():
-        for name in ("past_key_values", "cache"):  # "cache" in newer transformers
+        # "cache" in newer transformers, which warn at the old name while they still take it
+        for name in ("cache", "past_key_values"):
             if hasattr(model, "generate") and _takes(model, name):
-                return _hugging_face(model, prompt, config, mark, name)
-        return _plain(model, prompt, config, mark)
+                return _hugging_face(model, prompt, config, mark, stage, name)
+        return _plain(model, prompt, config, mark, stage)
 
 
 def _hugging_face(
-    model: Any, prompt: Any, config: RunConfig, mark: Mark, cache_name: str
+    model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage, cache_name: str
 ) -> list[Any]:
     kwargs = dict(prompt) if isinstance(prompt, Mapping) else {"input_ids": prompt}
     kwargs.pop("labels", None)  # a loss is not part of generating
     if config.logits == "last" and _takes(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1  # as Hugging Face's generate() asks in its prefill
     mask = kwargs.get("attention_mask")
-    out = model(**kwargs, use_cache=True)
+    ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    length = (ids.shape[1] if isinstance(ids, torch.Tensor) else 0) + config.new_tokens
+    if config.cache == "static":  # room for every token, taken in the prefill
+        kwargs[cache_name] = static_cache(model, config.batch_size, length)
+    with stage("prefill"):
+        out = model(**kwargs, use_cache=True)
     tokens = []
     for _ in range(config.new_tokens):
         cache = _cache_of(out)
@@ -66,20 +87,27 @@ def _hugging_face(
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             step["attention_mask"] = mask
         del out  # the last step's logits go before the next step's come
-        out = model(**step)
+        with stage("decode"):
+            out = model(**step)
     cache = _cache_of(out)
     _mark_cache(cache, mark)
-    return [tokens, cache]
+    return [tokens, cache, length]
 
 
-def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark) -> list[Any]:
+def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage) -> list[Any]:
     if not isinstance(prompt, torch.Tensor):
         raise WhatIfError(
             f"mode='generate' with a model that is not a Hugging Face one needs input_fn to "
             f"return the prompt's token ids as one tensor, not {type(prompt).__name__}."
         )
+    if config.cache == "static":
+        raise WhatIfError(
+            "cache='static' is Hugging Face's StaticCache, and this model is not a Hugging Face "
+            "one (it keeps its own cache): use cache='dynamic'."
+        )
     try:
-        first = model(prompt, None)
+        with stage("prefill"):
+            first = model(prompt, None)
     except TypeError as e:
         if not refused_arguments(e):
             raise
@@ -96,10 +124,11 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark) -> list[Any]:
         tokens.append(token)
         cache = out[1]
         del out  # the last step's logits go before the next step's come
-        out = _pair(model(token, cache))
+        with stage("decode"):
+            out = _pair(model(token, cache))
         del cache
     _mark_cache(out[1], mark)
-    return [tokens, out[1]]
+    return [tokens, out[1], prompt.shape[1] + config.new_tokens]
 
 
 def _pair(out: Any) -> tuple[torch.Tensor, Any]:
@@ -129,78 +158,8 @@ def _mark_cache(cache: Any, mark: Mark) -> None:
         mark(t, Category.KV_CACHE)
 
 
-def cache_tensors(cache: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors a key/value cache holds: in its lists, tuples, mappings and attributes
-    (Hugging Face's cache classes keep them in per-layer objects), a few levels deep."""
-    if isinstance(cache, torch.Tensor):
-        return [cache]
-    if depth > 5 or cache is None or isinstance(cache, (str, bytes, int, float, bool)):
-        return []
-    if isinstance(cache, Mapping):
-        items: Any = cache.values()
-    elif isinstance(cache, (list, tuple)):
-        items = cache
-    else:
-        items = list(vars(cache).values()) if hasattr(cache, "__dict__") else []
-    return [t for item in items for t in cache_tensors(item, depth + 1)]
-
-
 def _takes(model: Any, name: str) -> bool:
     try:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def kv_cache_bytes(model_config: Any, tokens: int, batch: int, dtype: torch.dtype) -> int:
-    """Bytes of a full key/value cache: 2 (keys and values) x layers x key/value heads x head
-    size x ``tokens`` x ``batch`` x the dtype's size, from a Hugging Face model config (grouped-
-    query attention: ``num_key_value_heads`` below ``num_attention_heads``)."""
-    layers, kv_heads, head_dim = cache_shape(model_config)
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * kv_heads * head_dim * tokens * batch * size
-
-
-def cache_shape(c: Any) -> tuple[int, int, int]:
-    """(layers, key/value heads, head size) from a Hugging Face model config."""
-    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(c, "num_attention_heads", "n_head")
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or _first(c, "hidden_size", "n_embd") // heads
-    return layers, kv_heads, head_dim
-
-
-def _first(config: Any, *names: str) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise WhatIfError(f"the model config has none of {', '.join(names)}: cannot size its cache.")
-
-
-def cache_note(model: Any, config: RunConfig, kept: list[Any]) -> str:
-    """What the finished cache holds per token, beside the formula where the model's config
-    gives its shape (a Hugging Face model). Keys and values may differ in type: under autocast,
-    rotary embeddings leave the keys in float32 and the values in 16 bits."""
-    tensors = cache_tensors(kept[-1]) if kept else []
-    held = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
-    # keys and values: (batch, heads, tokens, head size); a plain cache: (batch, tokens, width)
-    tokens = tensors[0].shape[-2] if held and tensors[0].dim() >= 2 else 0
-    if not tokens:
-        return "KV cache: none found in what the model returned"
-    per_token = held // (tokens * config.batch_size)
-    text = (
-        f"KV cache: {held:,} B for {tokens} tokens x {config.batch_size} sequences, "
-        f"{per_token:,} B per token"
-    )
-    try:
-        layers, kv_heads, head_dim = cache_shape(getattr(model, "config", None))
-    except WhatIfError:
-        return text
-    k, v = tensors[0].element_size(), tensors[min(1, len(tensors) - 1)].element_size()
-    sizes = f"2 x {k} B" if k == v else f"({k} B keys + {v} B values)"
-    formula = layers * kv_heads * head_dim * (k + v)
-    return (
-        f"{text} (formula: {layers} layers x {kv_heads} KV heads x {head_dim} x {sizes} "
-        f"= {formula:,} B)"
-    )

@@ -27,7 +27,8 @@ from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.base_weights import quantized_base
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
-from memlab.step.generate import cache_note, generate
+from memlab.step.generate import Stage, generate, unstaged
+from memlab.step.kvcache import cache_note
 from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
     autocast_of,
@@ -151,22 +152,22 @@ def run(
         region = track(device, breakdown=True, timeline=True, watch=[model])
         try:
             if config.warmup:
-                warm(_unmarked)
+                warm(_unmarked, unstaged)
                 # with fp16, the scaler skips the optimizer's step while the scaled gradients
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
                 for _ in range(SCALER_RETRIES if scaler is not None else 0):
                     if not skipped(opt):
                         break
-                    warm(_unmarked)
+                    warm(_unmarked, unstaged)
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
                 if hooks.on_measure is not None:
                     hooks.on_measure("opened")  # the region's clock has started
-                kept, series = step(functools.partial(_mark, region))
+                kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
-                chosen.append(cache_note(model, config, kept))
+                chosen.append(cache_note(model, config, kept[1], kept[2]))
             chosen += lever_notes(config, device) + based.notes
             del kept
             if hooks.on_measure is not None:
@@ -221,6 +222,7 @@ def _step(
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
     off: HostOffload,
     mark: Callable[..., None],
+    stage: Stage,
 ) -> tuple[list[Any], list[int]]:
     model, device = user.model, user.device
     if config.retention != Retention.OFF:  # evaluation with grad enabled, outputs kept
@@ -235,7 +237,7 @@ def _step(
     if config.mode == Mode.GENERATE:
         model.eval()
         with autocast():
-            return generate(user, config, mark), []
+            return generate(user, config, mark, stage), []
     if config.mode == Mode.EVAL_WITH_GRAD:
         model.eval()
         with autocast():
