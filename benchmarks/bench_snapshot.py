@@ -4,7 +4,8 @@ process that reads it, for made-up snapshots in torch's format (no GPU here reco
 Each size is written by one fresh Python process and read by others, one per way of reading, so
 that each peak RSS is the reading's alone (Linux keeps a process's peak RSS across fork and
 exec, so the parent stays small): ``python benchmarks/bench_snapshot.py 20000 60000``
-(training steps; 54 events each; ``--free-stacks``: each free with a stack of its own). Prints
+(training steps; 54 events each; ``--free-stacks``: each free with a stack of its own;
+``--streamed-only``: skip reading whole, for files too big for that). Prints
 a Markdown table for RESULTS.md.
 """
 
@@ -55,6 +56,8 @@ def run(code: str, *args: str) -> str:
 def main() -> None:
     free_stacks = "--free-stacks" in sys.argv  # each free with a stack of its own
     steps = [int(a) for a in sys.argv[1:] if a.isdigit()] or [20_000, 60_000]
+    # --streamed-only: a file too big to read whole here
+    ways = ("streamed",) if "--streamed-only" in sys.argv else ("streamed", "whole")
     print(f"<!-- {time.strftime('%Y-%m-%d')} · Python {sys.version.split()[0]} -->")
     print("| events | file | reading | read | report + chart | peak RSS (above import) |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
@@ -63,7 +66,7 @@ def main() -> None:
             path = Path(tmp) / f"snapshot-{n}.pickle"
             peak = int(run(WRITE, str(path), str(n), "1" if free_stacks else "0"))
             mib = path.stat().st_size / 2**20
-            for way in ("streamed", "whole"):
+            for way in ways:
                 r = json.loads(run(READ, str(path), way))
                 assert r["peak"] == peak
                 above = r["rss_mib"] - r["base_mib"]
