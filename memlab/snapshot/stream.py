@@ -12,7 +12,7 @@ never refers to it again), and a list of frames once the allocation it belongs t
 event is kept, for a later ``segment_free``). Kept lists are replaced by their reading, ``[READ,
 Known]``. What stays is the compact arrays, the lists of the allocations still live, the
 segments and the distinct frames. Should a file refer again to a list forgotten (no torch file
-seen does), it is read again keeping every list (``prune_frames=False``).
+seen does), it is read again forgetting nothing (``prune_frames=False``).
 
 First view: when the first list of events is found, the segments before it are whole, and
 ``on_segments`` is called with them. ``progress(bytes_read, file_bytes)`` is called at each
@@ -74,26 +74,37 @@ class _Drain:
 
     def __init__(self, loader: SafeUnpickler, prune_frames: bool = True) -> None:
         self.loader = loader
+        self.tap: _Tap | None = None
+        self.every = EVERY
+        self.next_forget = 0  # bytes read when the loader's memo is next made to forget
+        self.first_trace = -1  # memo index of the first list of events
         self.frames = Frames()
         self.traces: dict[int, tuple[list[Any], Collector]] = {}  # id(list) -> list, collector
         self.prune_frames = prune_frames
         self.by_addr: dict[int, list[Any]] = {}  # lists of frames of a live allocation's events
         self.drop: list[Any] = []  # lists of frames of freed allocations: forgotten at the swap
         self.pinned: dict[int, Any] = {}  # lists of frames named by segment events: kept
-        self.dropped = 0  # lists of frames forgotten
+        self.dropped = self.forgot = 0  # lists of frames forgotten; forgettings
         self.segments: list[dict[str, Any]] | None = None  # whole once a trace is found
         self.on_segments: OnSegments | None = None
         self.progress: Callable[[], object] | None = None
 
     def __call__(self) -> None:
-        # typeshed calls the memo dict[int, tuple[int, Any]]; the C loader's holds the objects
-        memo = cast(dict[int, Any], self.loader.memo.copy())
-        self._look(memo)
-        self._take()
-        self._forget(memo)
-        del memo
+        if not self._take():  # nothing new in the lists known: look for new ones
+            self._look(self._memo())
+            self._take()
+        read = self.tap.read_bytes if self.tap is not None else 0
+        if self.prune_frames and read >= self.next_forget:
+            self._forget(self._memo())
+            # each forgetting costs a pass over the loader's whole table (every index ever
+            # given): spaced by an eighth of what was read, within 16 and 64 drains
+            self.next_forget = read + min(max(read // 8, 16 * self.every), 64 * self.every)
         if self.progress is not None and self.progress() is False:
             raise _StopError
+
+    def _memo(self) -> dict[int, Any]:
+        # typeshed calls the memo dict[int, tuple[int, Any]]; the C loader's holds the objects
+        return cast(dict[int, Any], self.loader.memo.copy())
 
     def _look(self, memo: dict[int, Any]) -> None:
         """New lists of events; the segments, when the first is found."""
@@ -102,6 +113,8 @@ class _Drain:
             if type(obj) is list and obj and id(obj) not in self.traces and _is_trace(obj):
                 self.traces[id(obj)] = (obj, Collector(self.frames))
                 first = index if first is None else first
+        if first is not None and self.first_trace < 0:
+            self.first_trace = first
         if first is not None and self.segments is None:
             self.segments = [
                 o for i, o in memo.items() if i < first and type(o) is dict and _is_segment(o)
@@ -116,9 +129,8 @@ class _Drain:
         for events, collector in self.traces.values():
             batch = events[:]
             events.clear()
-            collector.add(batch)
             taken += len(batch)
-            for e in batch:
+            for e in batch:  # each list of frames read once, here; the collector finds it read
                 frames = e.get("frames")
                 if type(frames) is not list:
                     continue
@@ -140,15 +152,20 @@ class _Drain:
                     by_addr[addr] = [frames]
                 elif mine[-1] is not frames:
                     mine.append(frames)
+            collector.add(batch)
+            for e in batch:
+                e.clear()  # the memo holds it until forgotten: an empty dict meanwhile
         return taken
 
     def _forget(self, memo: dict[int, Any]) -> None:
-        """The loader's memo without the events taken and the lists of freed allocations."""
+        """The loader's memo without the events taken (emptied dicts after the first list of
+        events) and the lists of frames of freed allocations."""
         drop = {id(f) for f in self.drop if id(f) not in self.pinned}
+        first = self.first_trace if self.first_trace >= 0 else len(memo) + 2**62
         keep = {}
         for index, obj in memo.items():
             kind = type(obj)
-            if kind is dict and "action" in obj:
+            if kind is dict and ((not obj and index > first) or "action" in obj):
                 continue
             if kind is list and id(obj) in drop:
                 self.dropped += 1
@@ -156,6 +173,7 @@ class _Drain:
             keep[index] = obj
         if len(keep) < len(memo):
             replace_memo(self.loader, keep)
+            self.forgot += 1
         self.drop.clear()
 
 
@@ -187,6 +205,7 @@ def stream(
         tap = _Tap(gzip.GzipFile(fileobj=raw) if gzipped else raw, every or EVERY)
         loader = SafeUnpickler(tap, str(p))
         drain = _Drain(loader, prune_frames)
+        drain.tap, drain.every = tap, every or EVERY
         drain.on_segments = on_segments
         if progress is not None:
             drain.progress = lambda: progress(raw.tell(), size)  # compressed bytes if gzipped
@@ -207,7 +226,7 @@ def stream(
         except SnapshotError:
             raise
         except Exception as e:
-            if drain.dropped:  # a list forgotten was referred to again: keep every list
+            if drain.forgot:  # what was forgotten was referred to again: keep all
                 tap.hook = None
                 again = on_segments if drain.segments is None else None  # not shown twice
                 del loader, drain
