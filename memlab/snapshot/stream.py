@@ -97,8 +97,8 @@ class _Drain:
         if self.prune_frames and read >= self.next_forget:
             self._forget(self._memo())
             # each forgetting costs a pass over the loader's whole table (every index ever
-            # given): spaced by an eighth of what was read, within 16 and 64 drains
-            self.next_forget = read + min(max(read // 8, 16 * self.every), 64 * self.every)
+            # given): spaced by an eighth of what was read, within 8 and 64 drains
+            self.next_forget = read + min(max(read // 8, 8 * self.every), 64 * self.every)
         if self.progress is not None and self.progress() is False:
             raise _StopError
 
