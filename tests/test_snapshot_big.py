@@ -94,6 +94,23 @@ def test_bad_callbacks_are_named() -> None:
         load_snapshot("x.pickle", progress="yes")  # type: ignore[arg-type]
 
 
+def test_an_error_in_a_callback_is_the_callers_own(tmp_path: Path, small_drains: None) -> None:
+    """Not taken for a bad file (nor read again): the caller's error, as raised."""
+    path = dumped(tmp_path, training_snapshot(steps=300)[0])
+
+    def view(v: Any) -> None:
+        raise KeyError("mine")
+
+    def progress(read: int, of: int) -> None:
+        if read > of // 2:
+            raise ValueError("mine too")
+
+    with pytest.raises(KeyError, match="mine"):
+        load_snapshot(path, first_view=view)
+    with pytest.raises(ValueError, match="mine too"):
+        load_snapshot(path, progress=progress)
+
+
 @pytest.mark.parametrize("free_stacks", [False, True])
 def test_forgetting_leaves_the_trace_equal_to_reading_whole(
     tmp_path: Path, free_stacks: bool

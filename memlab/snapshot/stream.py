@@ -42,6 +42,21 @@ class _StopError(Exception):
     """Raised inside the loader when ``progress`` returns False."""
 
 
+class _CallbackError(Exception):
+    """An error raised by the caller's ``on_segments`` or ``progress``: passed on as it is."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _call(f: Callable[..., object], *args: Any) -> object:
+    try:
+        return f(*args)
+    except Exception as e:
+        raise _CallbackError(e) from e
+
+
 class _Tap:
     """A file that calls ``hook`` after every ``every`` bytes read."""
 
@@ -99,7 +114,7 @@ class _Drain:
             # each forgetting costs a pass over the loader's whole table (every index ever
             # given): spaced by an eighth of what was read, within 8 and 64 drains
             self.next_forget = read + min(max(read // 8, 8 * self.every), 64 * self.every)
-        if self.progress is not None and self.progress() is False:
+        if self.progress is not None and _call(self.progress) is False:
             raise _StopError
 
     def _memo(self) -> dict[int, Any]:
@@ -120,7 +135,7 @@ class _Drain:
                 o for i, o in memo.items() if i < first and type(o) is dict and _is_segment(o)
             ]
             if self.on_segments is not None:
-                self.on_segments(self.segments)
+                _call(self.on_segments, self.segments)
 
     def _take(self) -> int:
         """Events out of the known lists into their collectors; how many."""
@@ -215,7 +230,8 @@ def stream(
         try:
             data = loader.load()
             if drain.segments is None and on_segments is not None and isinstance(data, dict):
-                on_segments(data.get("segments") or [])  # no trace, or the file was small
+                # no trace, or too small a file for a drain
+                _call(on_segments, data.get("segments") or [])
             for t in data.get("device_traces") or [] if isinstance(data, dict) else []:
                 if type(t) is list and id(t) not in drain.traces:  # too short to be seen yet
                     drain.traces[id(t)] = (t, Collector(drain.frames))
@@ -223,6 +239,8 @@ def stream(
         except _StopError:
             data = {"segments": drain.segments or [], "cancelled_at": tap.read_bytes}
             data["device_traces"] = [t for t, _ in drain.traces.values()]
+        except _CallbackError as e:
+            raise e.error from None
         except SnapshotError:
             raise
         except Exception as e:
