@@ -111,6 +111,23 @@ def test_an_error_in_a_callback_is_the_callers_own(tmp_path: Path, small_drains:
         load_snapshot(path, progress=progress)
 
 
+def test_ctrl_c_stops_the_reading_and_leaves_the_session_as_it_was(
+    tmp_path: Path, small_drains: None
+) -> None:
+    import gc
+
+    path = dumped(tmp_path, training_snapshot(steps=300)[0])
+
+    def progress(read: int, of: int) -> None:
+        raise KeyboardInterrupt  # what Ctrl-C raises while the file is read
+
+    assert gc.isenabled()
+    with pytest.raises(KeyboardInterrupt):
+        load_snapshot(path, progress=progress)
+    assert gc.isenabled()  # paused while reading, running again
+    assert load_snapshot(path).events == training_snapshot(steps=300)[1].events
+
+
 @pytest.mark.parametrize("free_stacks", [False, True])
 def test_forgetting_leaves_the_trace_equal_to_reading_whole(
     tmp_path: Path, free_stacks: bool
