@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from memlab.snapshot.trace import (
     _BY_NAME,
@@ -133,30 +134,40 @@ class Collector:
         self.total, self.res, self.unmatched = total, res, unmatched
 
     def finish(self, segments: Iterable[Mapping[str, Any]], device: int) -> Trace:
-        """The `Trace`, given the snapshot's segments (the state at the end)."""
+        """The `Trace`, given the snapshot's segments (the state at the end); once: its arrays
+        are the collector's own."""
         mine = [s for s in segments if s.get("device", device) == device]
         live_end = {a: size for a, size, active in blocks_of(mine) if active}
         untraced = sum(size for addr, size in live_end.items() if addr not in self.live)
         before = self.unmatched + untraced
         reserved_end = sum(int(s.get("total_size", 0)) for s in mine)
+        totals, reserved = _view(self.rel, np.int64), _view(self.reserved, np.int64)
+        totals += before
+        reserved += reserved_end - self.res
         return Trace(
-            times=np.asarray(self.times, dtype=np.float64),
-            totals=np.asarray(self.rel, dtype=np.int64) + before,
-            groups=np.asarray(self.groups, dtype=np.int8),
-            deltas=np.asarray(self.deltas, dtype=np.int64),
-            owner=np.asarray(self.owner, dtype=np.int64),
-            reserved=np.asarray(self.reserved, dtype=np.int64) + (reserved_end - self.res),
-            a_start=np.asarray(self.a_start, dtype=np.float64),
-            a_end=np.asarray(self.a_end, dtype=np.float64),
-            a_size=np.asarray(self.a_size, dtype=np.int64),
-            a_group=np.asarray(self.a_group, dtype=np.int8),
-            a_line=np.asarray(self.a_line, dtype=np.int32),
+            times=_view(self.times, np.float64),
+            totals=totals,
+            groups=_view(self.groups, np.int8),
+            deltas=_view(self.deltas, np.int64),
+            owner=_view(self.owner, np.int64),
+            reserved=reserved,
+            a_start=_view(self.a_start, np.float64),
+            a_end=_view(self.a_end, np.float64),
+            a_size=_view(self.a_size, np.int64),
+            a_group=_view(self.a_group, np.int8),
+            a_line=_view(self.a_line, np.int32),
             a_shape=self.a_shape,
             lines=tuple(self.frames.lines),
             before=before,
             timed=self.timed and self.events > 0,
             ooms=tuple(self.ooms),
         )
+
+
+def _view(values: array[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """``values`` as a numpy array sharing its memory (no copy: a big trace's arrays are the
+    biggest thing left in memory). The array can no longer grow, so a `Collector` finishes once."""
+    return np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype=dtype)
 
 
 def parse(data: Mapping[str, Any], device: int | None = None) -> tuple[int, Trace]:

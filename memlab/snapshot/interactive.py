@@ -107,7 +107,7 @@ def chart_of_trace(t: Trace, title: str, points: int = POINTS) -> Chart:
         )
     keep = reduce(t.totals, points)
     div, unit = _scale(float(t.peak))
-    stacked = t.by_group()[:, keep] / div
+    stacked = t.by_group(keep) / div
     present = [g for g in STACK if stacked[g].any()] or [0]
     xs, ys = _steps(t.times[keep], [stacked[g] for g in present])
     fig = figure(

@@ -14,18 +14,63 @@ from memlab.snapshot.stream import stream
 from memlab.snapshot.trace import Trace, busiest, choose, source_line
 
 
-def load_snapshot(path: str | Path, device: int | None = None) -> Snapshot:
+def load_snapshot(
+    path: str | Path,
+    device: int | None = None,
+    *,
+    first_view: Callable[[Snapshot], object] | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> Snapshot:
     """Read a memory snapshot (``torch.cuda.memory._dump_snapshot(path)``, torch 2.4 and later;
     gzipped too) into a `Snapshot`: its peak, timeline, largest allocations with the line that
     made each, live blocks and fragmentation. ``device``: which GPU's trace (default: the one
     with the most events). The file is read by a restricted unpickler that refuses any Python
     global, so no code in it runs, and its events are taken out as it is read, so memory stays
-    far below the file's size (`memlab.snapshot.stream`)."""
-    data, collectors, frames = stream(path)
+    far below the file's size (`memlab.snapshot.stream`).
+
+    ``first_view``: called with a `Snapshot` of the cache's state at the end (allocated,
+    reserved, free cache, largest free block, fragmentation, the biggest live blocks: torch
+    writes them before the trace) as soon as it is read, before the trace; in a notebook,
+    ``first_view=display``. ``progress``: called every few MiB with (bytes read, bytes in the
+    file); when it returns False the reading stops and the events read so far are the trace
+    (a note says where it stopped). Ctrl-C stops it too (``KeyboardInterrupt``, nothing kept)."""
+    _check_callable(first_view, "first_view")
+    _check_callable(progress, "progress")
+    name = str(path)
+
+    def segments_read(segments: list[dict[str, Any]]) -> None:
+        if first_view is not None:
+            first_view(first_look(segments, name, device))
+
+    data, collectors, frames = stream(path, on_segments=segments_read, progress=progress)
     dev = choose(device, [collectors[i].events for i in range(len(collectors))])
     collector = collectors.get(dev) or Collector(frames)
     trace = collector.finish(data["segments"], dev)
-    return _report(data, str(path), dev, trace, collector.events, frames.line)
+    state = (
+        None if "cancelled_at" not in data else f"cancelled at {fmt_bytes(data['cancelled_at'])}"
+    )
+    return _report(data, name, dev, trace, collector.events, frames.line, state)
+
+
+def first_look(segments: list[dict[str, Any]], name: str, device: int | None = None) -> Snapshot:
+    """A `Snapshot` of the segments alone (no trace): the cache's state at the end, on
+    ``device`` (default: the one that reserves the most)."""
+    if device is None:
+        reserved: dict[int, int] = {}
+        for s in segments:
+            d = int(s.get("device", 0))
+            reserved[d] = reserved.get(d, 0) + int(s.get("total_size", 0))
+        device = max(reserved, key=reserved.__getitem__, default=0)
+    trace = Collector(Frames()).finish(segments, device)
+    return _report({"segments": segments}, name, device, trace, 0, source_line, "first view")
+
+
+def _check_callable(f: object, name: str) -> None:
+    if f is not None and not callable(f):
+        raise TypeError(
+            f"{name}={f!r} is a {type(f).__name__}: pass a function (in a notebook, "
+            f"{name}=display), or None."
+        )
 
 
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
@@ -44,6 +89,7 @@ def _report(
     trace: Trace,
     events: int,
     line: Callable[[Any], str],
+    state: str | None = None,
 ) -> Snapshot:
     segments = [s for s in data.get("segments", ()) if s.get("device", dev) == dev]
     blocks = [b for s in segments for b in s.get("blocks", ())]
@@ -51,7 +97,17 @@ def _report(
     free = [int(b["size"]) for b in blocks if not str(b.get("state", "")).startswith("active")]
     allocated = sum(int(b["size"]) for b in active)
     notes = []
-    if not events:
+    if state == "first view":
+        notes.append(
+            "first view: the cache's state at the end (the segments); the trace is being read, "
+            "the peak and the timeline come with it"
+        )
+    elif state is not None:
+        notes.append(
+            f"the reading was {state} of the file: the trace holds the events read before; "
+            "allocated, reserved and the free cache are the segments' (the state at the end)"
+        )
+    elif not events:
         notes.append(
             "no events recorded: call torch.cuda.memory._record_memory_history() before the code, "
             "then _dump_snapshot(); the figures are the segments' at the end"
@@ -59,7 +115,7 @@ def _report(
     elif not trace.timed:
         notes.append("the events carry no time_us: the timeline's x axis counts events")
     end = int(trace.totals[-1]) if len(trace.totals) else trace.before
-    if events and end != allocated:
+    if events and end != allocated and state is None:
         notes.append(
             f"the trace ends at {fmt_bytes(end)} allocated but the segments hold "
             f"{fmt_bytes(allocated)}: part of the trace was lost (max_entries) or the snapshot "

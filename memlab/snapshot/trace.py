@@ -66,11 +66,16 @@ class Trace:
     def peak_index(self) -> int | None:
         return int(self.totals.argmax()) if len(self.totals) else None
 
-    def by_group(self) -> npt.NDArray[np.int64]:
-        """Live bytes by group after each event: ``[len(GROUPS), len(times)]``."""
-        out = np.zeros((len(GROUPS), len(self.deltas)), dtype=np.int64)
+    def by_group(self, at: npt.NDArray[np.intp] | None = None) -> npt.NDArray[np.int64]:
+        """Live bytes by group after each event (or after the events ``at``):
+        ``[len(GROUPS), len(times)]``. One group at a time, so that a long trace needs memory
+        for two of its arrays more, not for ten."""
+        n = len(self.deltas) if at is None else len(at)
+        out = np.zeros((len(GROUPS), n), dtype=np.int64)
         for g in range(len(GROUPS)):
-            out[g] = np.cumsum(np.where(self.groups == g, self.deltas, 0))
+            running = np.cumsum(np.where(self.groups == g, self.deltas, 0))
+            out[g] = running if at is None else running[at]
+            del running
         out[BEFORE] += self.before
         return out
 
