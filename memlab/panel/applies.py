@@ -19,16 +19,17 @@ from typing import Any
 
 from memlab.step import Mode, Retention
 
-#: Each control that may not apply, and the value the configuration reads while it is hidden.
+#: Each control that may not apply, and the value the configuration reads while it is hidden
+#: (None: the Explorer's starting configuration's, for a field only its mode reads).
 NEUTRAL: dict[str, Any] = {
-    "new_tokens": None,  # read only by generate: nothing to neutralise
+    "new_tokens": None,
     "retention": str(Retention.OFF),
     "checkpoint": "off",
     "accumulation": 1,
-    "optimizer": None,  # read only by a training step
+    "optimizer": None,
     "offload": "off",
     "world_size": 1,
-    "sharding": None,  # "none" whenever world_size is 1 (the Explorer's config)
+    "sharding": "none",  # read by the Explorer's config from world_size
     "optimizer_in_backward": False,
     "optimizer_state_bits": 32,
     "checkpoint_saves": "nothing",
@@ -73,11 +74,12 @@ def applying(self: Any) -> dict[str, bool]:
 
 
 def neutral(self: Any) -> dict[str, Any]:
-    """The configuration's fields for the hidden controls: their neutral values."""
+    """The configuration's fields for the hidden controls: their neutral values, so that a run
+    is the same step whatever a hidden control holds."""
     return {
-        name: value
+        name: getattr(self._base, name) if NEUTRAL[name] is None else NEUTRAL[name]
         for name, applies in applying(self).items()
-        if not applies and (value := NEUTRAL[name]) is not None
+        if not applies and name != "sharding"
     }
 
 
