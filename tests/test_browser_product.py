@@ -185,9 +185,17 @@ def keep(element: Any, name: str, request: pytest.FixtureRequest) -> None:
     """A screenshot of ``element`` as a CI artefact (--update-screenshots: for the docs too)."""
     assert name.startswith("product-")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    element.page.mouse.move(0, 0)  # no hover highlight in the picture
+    page = element.page
+    page.mouse.move(0, 0)  # no hover highlight in the picture
+    # JupyterLab scrolls inside its panel, so an element taller than the window is cut off
+    # (the timeline's axis, under the status bar): a window tall enough for it, while it is taken
+    size, box = page.viewport_size, element.bounding_box()
+    if size and box and box["height"] + 200 > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": int(box["height"]) + 300})
     element.scroll_into_view_if_needed()
     element.screenshot(path=str(ARTIFACTS / name))
+    if size:
+        page.set_viewport_size(size)
     if request.config.getoption("--update-screenshots"):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(ARTIFACTS / name, SCREENSHOTS / name)
