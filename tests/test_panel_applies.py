@@ -11,15 +11,11 @@ from torch import nn
 
 import memlab
 from memlab.panel.applies import NEUTRAL
+from memlab.panel.levers import TOGGLES
 from memlab.whatif import RunConfig, run
 
 BASE = RunConfig(device="cpu", batch_size=8)
-LEVERS = (
-    "expandable_segments",
-    "optimizer_in_backward",
-    "optimizer_state_bits",
-    "checkpoint_saves",
-)
+LEVERS = tuple(name for name, _, _ in TOGGLES)  # every lever, those added later too
 
 
 def stack() -> nn.Module:
@@ -85,7 +81,8 @@ def test_whatever_is_shown_makes_a_valid_step() -> None:
 
 def test_a_control_is_shown_exactly_when_it_changes_the_step() -> None:
     """For each control that may be hidden, in every mode and choice that decides it: changing
-    its value changes the configuration if and only if the control is on show."""
+    its value changes the step (what the run is described as) if and only if the control is on
+    show."""
     ex = explorer()
     grid = {k: DRIVEN[k] for k in ("mode", "retention", "checkpoint", "offload")}
     for combo in itertools.product(*grid.values(), ("adam", "sgd"), (1, 2)):
@@ -94,10 +91,10 @@ def test_a_control_is_shown_exactly_when_it_changes_the_step() -> None:
             if name in ("world_size", "checkpoint", "retention", "optimizer", "offload"):
                 continue  # drivers of this grid: their own visibility is checked below
             widget = getattr(ex, name)
-            before, was = ex.config, widget.value
+            before, was = ex.config.describe(), widget.value
             widget.value = other(widget)
             try:
-                changed = ex.config != before
+                changed = ex.config.describe() != before
             finally:
                 widget.value = was
             assert changed == shown(ex, name), (name, combo, shown(ex, name))

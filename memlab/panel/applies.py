@@ -20,7 +20,7 @@ from typing import Any
 from memlab.step import Mode, Retention
 
 #: Each control that may not apply, and the value the configuration reads while it is hidden
-#: (None: the Explorer's starting configuration's, for a field only its mode reads).
+#: (None: its own value, passed as it is: only the mode it belongs to reads it).
 NEUTRAL: dict[str, Any] = {
     "new_tokens": None,
     "retention": str(Retention.OFF),
@@ -77,9 +77,9 @@ def neutral(self: Any) -> dict[str, Any]:
     """The configuration's fields for the hidden controls: their neutral values, so that a run
     is the same step whatever a hidden control holds."""
     return {
-        name: getattr(self._base, name) if NEUTRAL[name] is None else NEUTRAL[name]
+        name: NEUTRAL[name]
         for name, applies in applying(self).items()
-        if not applies and name != "sharding"
+        if not applies and NEUTRAL[name] is not None and name != "sharding"
     }
 
 
