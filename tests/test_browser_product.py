@@ -185,9 +185,17 @@ def keep(element: Any, name: str, request: pytest.FixtureRequest) -> None:
     """A screenshot of ``element`` as a CI artefact (--update-screenshots: for the docs too)."""
     assert name.startswith("product-")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    element.page.mouse.move(0, 0)  # no hover highlight in the picture
+    page = element.page
+    page.mouse.move(0, 0)  # no hover highlight in the picture
+    # JupyterLab scrolls inside its panel, so an element taller than the window is cut off
+    # (the timeline's axis, under the status bar): a window tall enough for it, while it is taken
+    size, box = page.viewport_size, element.bounding_box()
+    if size and box and box["height"] + 200 > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": int(box["height"]) + 300})
     element.scroll_into_view_if_needed()
     element.screenshot(path=str(ARTIFACTS / name))
+    if size:
+        page.set_viewport_size(size)
     if request.config.getoption("--update-screenshots"):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(ARTIFACTS / name, SCREENSHOTS / name)
@@ -261,6 +269,34 @@ svg => {
 """
 
 
+#: Given the panel, what a person would see wrong with its controls: a label above its control
+#: instead of beside it, a label cut short ("optimizer step in back…"), a control running past
+#: the panel's right edge or over the next column.
+LAYOUT_JS = """
+panel => {
+  const out = [], edge = panel.getBoundingClientRect().right;
+  const visible = e => e.getClientRects().length && getComputedStyle(e).display !== "none";
+  for (const row of panel.querySelectorAll(".widget-inline-hbox")) {
+    if (!visible(row)) continue;
+    const label = row.querySelector(":scope > .widget-label");
+    const control = row.lastElementChild.getBoundingClientRect();
+    if (label && visible(label) && label.textContent.trim()) {
+      const l = label.getBoundingClientRect();
+      const name = label.textContent.trim();
+      if (l.bottom <= control.top + 2) out.push(`${name}: its label sits above its control`);
+      if (label.scrollWidth > label.clientWidth + 1) out.push(`${name}: its label is cut short`);
+    }
+    if (control.right > edge + 1) out.push(`${row.textContent.trim()}: past the panel's edge`);
+  }
+  for (const label of panel.querySelectorAll(".widget-checkbox .widget-label")) {
+    if (visible(label) && label.scrollWidth > label.clientWidth + 1)
+      out.push(`${label.textContent.trim()}: its label is cut short`);
+  }
+  return out;
+}
+"""
+
+
 def images_drawn(element: Any) -> int:
     """The visible images under ``element``, each checked to have loaded (no broken icon)."""
     shown = element.locator("img:visible")
@@ -308,6 +344,26 @@ def test_the_panel_draws_and_reads_in_the_theme(
     status = status_of(panel)
     rows = panel.locator("table.memlab-runs tr")
     assert images_drawn(panel) == 0  # nothing drawn yet, and no broken-image icon either
+    assert not panel.evaluate(LAYOUT_JS), panel.evaluate(LAYOUT_JS)
+    mode, ranks = field(panel, "mode", "select"), field(panel, "ranks (GPUs)")
+    shown = lambda label, kind="input": field(panel, label, kind).is_visible()  # noqa: E731
+    assert not shown("new tokens")  # generating only
+    mode.select_option("generate")  # the training step's controls go, new tokens comes
+    wait_for("new tokens", lambda: shown("new tokens"), 5)
+    wait_for("the optimizer hidden", lambda: not shown("optimizer", "select"), 5)
+    wait_for("ranks hidden", lambda: not ranks.is_visible(), 5)
+    assert not panel.evaluate(LAYOUT_JS), panel.evaluate(LAYOUT_JS)
+    mode.select_option("train")
+    wait_for("the optimizer", lambda: shown("optimizer", "select"), 5)
+    wait_for("new tokens hidden", lambda: not shown("new tokens"), 5)
+    assert not shown("sharding", "select")  # one rank: nothing to share
+    ranks.fill("4")
+    ranks.press("Enter")
+    wait_for("sharding", lambda: shown("sharding", "select"), 5)
+    assert not panel.evaluate(LAYOUT_JS), panel.evaluate(LAYOUT_JS)
+    ranks.fill("1")
+    ranks.press("Enter")
+    wait_for("sharding hidden", lambda: not shown("sharding", "select"), 5)
 
     for expect_rows in (2, 3):  # two runs: batch 32, then batch 64
         if expect_rows == 3:

@@ -8,6 +8,7 @@ from typing import Any
 import ipywidgets as w
 
 from memlab.estimate.gpus import GPUS
+from memlab.panel.applies import follow
 from memlab.panel.levers import build_levers, lever_controls
 from memlab.panel.limit import mib
 from memlab.panel.search import MAX_BATCH
@@ -22,14 +23,16 @@ CUSTOM = "custom size"
 def build_controls(self: Any, c: RunConfig) -> w.VBox:
     """Creates the controls as attributes of the Explorer ``self``; returns the panel's box."""
     style = {"description_width": "110px"}
+    # buttons as wide as their longest label, so each row's choices fit on its one line
+    toggles = {**style, "button_width": "84px"}
     self.amp = w.ToggleButtons(
-        options=Amp.values(), value=str(c.amp), description="AMP", style=style
+        options=Amp.values(), value=str(c.amp), description="AMP", style=toggles
     )
     self.checkpoint = w.ToggleButtons(
         options=("off", "auto"),
         value=c.checkpoint if isinstance(c.checkpoint, str) else "off",
         description="checkpointing",
-        style=style,
+        style=toggles,
     )
     self.mode = w.Dropdown(
         options=Mode.values(), value=str(c.mode), description="mode", style=style
@@ -37,18 +40,17 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     self.new_tokens = w.BoundedIntText(
         value=c.new_tokens, min=1, max=1_000_000, description="new tokens", style=style
     )
-
-    def show_tokens(change: dict[str, Any]) -> None:  # only generating has new tokens
-        self.new_tokens.layout.display = "" if change["new"] == Mode.GENERATE else "none"
-
-    show_tokens({"new": str(c.mode)})
-    self.mode.observe(show_tokens, names="value")
     self.retention = w.ToggleButtons(
         options=Retention.values(),
         value=str(c.retention),
         description="keep outputs",
-        style=style,
+        style=toggles,
     )
+    for row in (self.amp, self.checkpoint, self.retention):
+        # laid out as the fields are (ipywidgets 8 puts a ToggleButtons' label above its
+        # buttons): the label right-aligned in its 110 px, the buttons on the same line
+        row.add_class("widget-inline-hbox")
+        row.layout.width, row.layout.margin = "auto", "3px 2px"
     self.batch_size = w.BoundedIntText(
         value=c.batch_size, min=1, max=MAX_BATCH, description="batch size", style=style
     )
@@ -90,12 +92,6 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
         description="sharding",
         style=style,
     )
-
-    def show_sharding(change: dict[str, Any]) -> None:
-        self.sharding.layout.display = "" if change["new"] > 1 else "none"
-
-    show_sharding({"new": c.world_size})
-    self.world_size.observe(show_sharding, names="value")
     self.limit = w.HTML()
     self.limit.add_class("memlab-limit")
     fit = w.Layout(width="auto")  # buttons as wide as their labels
@@ -118,28 +114,44 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
         format="png", layout=w.Layout(display="none", max_width="100%")
     )  # shown when drawn
     self.timeline = w.Image(format="png", layout=w.Layout(display="none", max_width="100%"))
+    # mode first: it decides which of the others apply (memlab.panel.applies hides the rest)
+    column = w.Layout(margin="0 16px 0 0")
+    top = w.HBox(
+        [
+            w.VBox(
+                [
+                    self.mode,
+                    self.new_tokens,
+                    self.retention,
+                    self.amp,
+                    self.checkpoint,
+                    build_levers(self, c),
+                ],
+                layout=column,
+            ),
+            w.VBox(
+                [
+                    self.batch_size,
+                    self.accumulation,
+                    self.optimizer,
+                    self.offload,
+                    self.world_size,
+                    self.sharding,
+                    self.budget,
+                    self.simulate,
+                    self.custom_gib,
+                    self.limit,
+                ],
+                layout=column,
+            ),
+        ],
+        layout=w.Layout(flex_flow="row wrap"),  # one column under the other where they do not fit
+    )
+    self.limit.layout.width = "300px"  # as wide as the fields above it: wraps, never widens
+    follow(self)  # the controls that apply to the step shown, the rest hidden
     return w.VBox(
         [
-            w.HBox(
-                [
-                    w.VBox([self.amp, self.checkpoint, self.retention, self.mode, self.new_tokens]),
-                    w.VBox(
-                        [
-                            self.batch_size,
-                            self.accumulation,
-                            self.optimizer,
-                            self.offload,
-                            self.budget,
-                            self.simulate,
-                            self.custom_gib,
-                            self.world_size,
-                            self.sharding,
-                            self.limit,
-                        ]
-                    ),
-                    build_levers(self, c),
-                ]
-            ),
+            top,
             w.HBox([self.run_button, self.fit_button, self.clear_button, self.cancel_button]),
             self.status,
             self.table,

@@ -17,9 +17,10 @@ from memlab.core import cuda
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
+from memlab.panel.applies import neutral
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.levers import lever_values
-from memlab.panel.limit import MUTED, BudgetLimit
+from memlab.panel.limit import LINE, MUTED, BudgetLimit
 from memlab.panel.ranks import fit_and_peak, predicted
 from memlab.panel.search import MAX_BATCH, predicted_batch
 from memlab.panel.views import bars, png, runs_table
@@ -104,7 +105,7 @@ class Explorer(BudgetLimit):
     def config(self) -> RunConfig:
         """The configuration the controls describe (raises WhatIfError if it is not valid)."""
         budget = int(self.budget.value * MiB) or None
-        return self._base.with_(
+        fields = dict(
             amp=self.amp.value,
             checkpoint=self.checkpoint.value,
             mode=self.mode.value,
@@ -115,10 +116,12 @@ class Explorer(BudgetLimit):
             optimizer=self.optimizer.value,
             budget=budget,
             world_size=int(self.world_size.value),
-            sharding=self.sharding.value if self.world_size.value > 1 else "none",
             **lever_values(self),
             offload=self.offload.value,
         )
+        fields.update(neutral(self))  # a hidden control (one that does not apply) reads neutral
+        ranks = fields["world_size"] > 1
+        return self._base.with_(**fields, sharding=self.sharding.value if ranks else "none")
 
     def run(self) -> RunResult | None:
         """Run the current configuration (or predict it for the GPU chosen under "simulate a
@@ -256,7 +259,7 @@ class Explorer(BudgetLimit):
 
     def _write(self, text: str, problem: bool = False) -> None:
         self._message = text
-        style = f"color:{GROW};font-size:12px" if problem else MUTED
+        style = f"color:{GROW};{LINE}" if problem else MUTED
         self.status.value = f'<div style="{style}">{escape(text)}</div>'
 
     def _progress(self, text: str) -> None:

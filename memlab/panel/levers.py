@@ -8,6 +8,7 @@ from typing import Any
 
 import ipywidgets as w
 
+from memlab.panel.limit import MUTED
 from memlab.step import RunConfig
 
 #: (RunConfig field, the toggle's label, its tooltip); a field that is not True or False has
@@ -52,15 +53,23 @@ VALUES: dict[str, tuple[Any, Any]] = {
 
 
 def build_levers(self: Any, c: RunConfig) -> w.VBox:
-    """The toggles, as attributes of the Explorer ``self``; returns their box."""
+    """The toggles, as attributes of the Explorer ``self``; returns their box: headed "levers"
+    where the other controls have their labels, the boxes in line with their fields."""
+    style = {"description_width": "110px"}
     boxes = []
     for name, label, tip in TOGGLES:
         on, _ = VALUES.get(name, (True, False))
-        box = w.Checkbox(value=getattr(c, name) == on, description=label, indent=False)
+        box = w.Checkbox(
+            value=getattr(c, name) == on,
+            description=label,
+            style=style,
+            layout=w.Layout(width="auto"),  # the whole label, however long
+        )
         box.tooltip = tip
         setattr(self, name, box)
         boxes.append(box)
-    return w.VBox([w.HTML("<b>levers</b>"), *boxes])
+    hint = f'<span style="{MUTED}">hover one for what it changes</span>'
+    return w.VBox([w.HTML(hint, description="levers", style=style), *boxes])
 
 
 def lever_values(self: Any) -> dict[str, Any]:

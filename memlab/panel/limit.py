@@ -11,17 +11,15 @@ from memlab.estimate.gpus import GPU
 from memlab.reports.units import fmt_bytes
 
 MiB = 1024**2
-#: Quiet text that reads on light and dark themes.
-MUTED = "color:var(--jp-content-font-color2,#888);font-size:12px"
+#: Quiet text that reads on light and dark themes; lines as close as the tables' (a widget's
+#: HTML is otherwise spaced a whole control's height apart).
+LINE = "font-size:12px;line-height:1.35;padding:2px 0"
+MUTED = f"color:var(--jp-content-font-color2,#888);{LINE}"
 
 
 def mib(nbytes: int | None) -> float:
     """Bytes as the budget field shows them: MiB, rounded for people."""
     return 0.0 if not nbytes else round(nbytes / MiB, 1)
-
-
-#: Quiet text that reads on light and dark themes.
-MUTED = "color:var(--jp-content-font-color2,#888);font-size:12px"
 
 
 class BudgetLimit:

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
     from memlab.reports.report import MemoryReport
 
+#: The allocated-bytes line: a blue that reads on white, on the dark theme's background and on
+#: the phase bands alike (contrast 3.4 or more on each; the navy it replaces was 2.2 on dark).
+LINE = "#2a7ab0"
 _PHASE_COLOURS = {
     "forward": "#d6eaf8",
     "backward": "#fdebd0",
@@ -116,7 +119,7 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     xs = [0.0, *tl.seconds, r.seconds]
     ys = [r.allocated_before, *tl.allocated, tl.allocated[-1]]
     div, unit = scale(max(r.peak_allocated, *ys))
-    ax.step(xs, [y / div for y in ys], where="post", color="#1f4e79", lw=1.3, label="allocated")
+    ax.step(xs, [y / div for y in ys], where="post", color=LINE, lw=1.3, label="allocated")
     start = 0
     for i in range(1, len(tl.phases) + 1):
         if i == len(tl.phases) or tl.phases[i] != tl.phases[start]:
@@ -194,7 +197,7 @@ def plot_history(
         xa,
         [mib(a) for a in ya],
         marker="o" if dots else None,
-        color="#1f4e79",
+        color=LINE,
         label="allocated after",
     )
     ax.plot(
