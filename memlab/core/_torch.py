@@ -4,6 +4,7 @@ Each entry says why memlab needs it and the torch releases it was checked on (2.
 memlab supports; 2.11 on the GPU machine; 2.13 here). A test fails when a module outside this
 file names a private torch attribute; when PyTorch moves one, this is the one file to change.
 Monkey-patches of torch made by memlab go through `patched`, which holds one lock for all.
+The profiler's allocation record, the seam's other file, is in `_torch_record.py`.
 """
 
 from __future__ import annotations
