@@ -137,6 +137,16 @@ opt.zero_grad()""",
     "g.view(depth=1)",
 )
 
+#: Pre-flight on a small simulated GPU: a training step that would not fit, explained.
+PREFLIGHT = (
+    """%load_ext memlab
+import torch""",
+    """%%gpumem --gpu 0.75GiB
+net = torch.nn.Sequential(*[torch.nn.Linear(16, 16), torch.nn.ReLU()] * 2)
+x = torch.randn(2**20, 16)
+net(x).sum().backward()""",
+)
+
 
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -148,6 +158,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         "budget": BUDGET,
         "targets": TARGETS,
         "real": REAL,
+        "preflight": PREFLIGHT,
     }.items():
         notebook(root / f"{name}.ipynb", *cells)
     server = LabServer(root, tmp_path_factory.mktemp("lab-home"))
@@ -548,6 +559,21 @@ def test_the_report_and_a_real_models_graph_read_in_the_dark_theme(
         MEASURED.setdefault("faint figures", []).extend(check_frames_readable(graph))
         MEASURED.setdefault("graph text px", []).append((name, svg.evaluate(SVG_TEXT_PX_JS)))
         keep(graph.locator(".jp-OutputArea"), name, request)
+
+
+@pytest.mark.parametrize("theme", [LIGHT, DARK], ids=slug)
+def test_a_pre_flight_that_would_not_fit_reads_in_the_theme(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest, theme: str
+) -> None:
+    nb = open_in(page, lab, "preflight.ipynb", theme)
+    nb.run_all(timeout=180)
+    assert not nb.errors(), nb.errors()
+    out = nb.cell(1).locator(".jp-OutputArea")
+    shown = out.inner_text()
+    assert "would run OUT OF MEMORY at line 4" in shown, shown
+    assert "net(x).sum().backward()" in shown and "fits" in shown  # the line, then the levers
+    MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
+    keep(out, f"product-preflight-{slug(theme)}.png", request)
 
 
 # -- problems once seen, measured above -----------------------------------------------------------

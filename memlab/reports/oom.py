@@ -132,7 +132,11 @@ class OOMExplanation(Result):
         return f"out of memory on {self.where}{at}: {fmt_bytes(self.requested)} requested"
 
     def text(self) -> str:
-        lines = [self.headline()]
+        return self.headline() + "\n" + self.body_text()
+
+    def body_text(self) -> str:
+        """The text under the headline (a pre-flight puts its own headline above it)."""
+        lines = []
         if self.line is not None and self.source.strip():
             lines.append(f"  line {self.line}: {self.source.strip()}")
         lines.append(f"  why: {plain(self.cause)}")
@@ -161,7 +165,11 @@ class OOMExplanation(Result):
         return "\n".join(lines)
 
     def html(self) -> str:
-        parts = [warning(self.headline())]
+        return warning(self.headline()) + "\n" + self.body_html()
+
+    def body_html(self) -> str:
+        """The HTML under the headline (a pre-flight puts its own headline above it)."""
+        parts = []
         if self.line is not None and self.source.strip():
             parts.append(f"<div><code>line {self.line}: {escape(self.source.strip())}</code></div>")
         parts.append(f"<div>{_code('why: ' + self.cause)}</div>")
@@ -254,17 +262,19 @@ class Preflight(Result):
             )
         at = f" at line {self.oom.line}" if self.oom.line is not None else ""
         return (
-            f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at} · needs "
+            f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at} "
+            f"({fmt_bytes(self.oom.requested)} requested) · needs "
             f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
         )
 
     def text(self) -> str:
-        return self.headline() + ("" if self.oom is None else "\n" + self.oom.text())
+        # the explanation under the verdict, without a second headline saying the same
+        return self.headline() + ("" if self.oom is None else "\n" + self.oom.body_text())
 
     def html(self) -> str:
         if self.oom is None:
             return heading(self.headline(), "allocator model; the cell ran on the CPU")
-        return f"{warning(self.headline())}\n{self.oom.html()}"
+        return f"{warning(self.headline())}\n{self.oom.body_html()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
