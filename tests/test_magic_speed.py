@@ -5,6 +5,7 @@ Timings: benchmarks/bench_cells.py."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -57,6 +58,22 @@ def test_the_watch_hands_out_what_changed_and_what_can_change_unbound() -> None:
     ns["plain"] = 3  # rebound to something not watched, then deleted
     del ns["leaf"]
     assert [id(o) for o in watch()] == [id(model)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 5000])
+def test_the_identities_read_as_pointers_are_pythons_ids(n: int) -> None:
+    """Values numpy would unpack (tensors, lists, arrays) stay whole, and each reads as id()."""
+    import numpy as np
+
+    from memlab.magic.namespace import identities
+
+    kinds = [torch.zeros(3), [1, 2], np.ones(2), "text", 7, None, (torch.ones(1),)]
+    ns = {f"v{i}": kinds[i % len(kinds)] if i % 2 else object() for i in range(n)}
+    ids = identities(ns.values(), len(ns))
+    assert ids.shape == (n,) and ids.tolist() == [id(v) for v in ns.values()]
+    held = [sys.getrefcount(v) for v in kinds]
+    identities(ns.values(), len(ns))
+    assert [sys.getrefcount(v) for v in kinds] == held  # nothing kept
 
 
 def test_the_watch_keeps_nothing_alive() -> None:

@@ -13,6 +13,8 @@ without a new binding) are handed out at every scan, as before.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 import weakref
 from collections.abc import Container
 from typing import Any
@@ -65,6 +67,27 @@ def _lasting(value: Any) -> bool:
     return True  # modules and optimizers
 
 
+def _identities_by_map(values: Any, n: int) -> np.ndarray[Any, Any]:
+    return np.fromiter(map(id, values), dtype=np.uintp, count=n)
+
+
+def _identities_by_pointer(values: Any, n: int) -> np.ndarray[Any, Any]:
+    """``id()`` of each value, read as the pointers an object array holds: in CPython an
+    object's id is its address, and numpy stores an object array as those addresses. Four times
+    quicker than calling ``id`` once per value (0.2 against 0.85 ms for 10,000 names)."""
+    held = np.fromiter(values, dtype=object, count=n)  # never unpacks a value, unlike np.array
+    if n == 0:
+        return np.zeros(0, dtype=np.uintp)
+    at = held.__array_interface__["data"][0]
+    ids = np.ctypeslib.as_array((ctypes.c_size_t * n).from_address(at)).astype(np.uintp)
+    del held  # the copy above is made: the values are no longer held
+    return ids
+
+
+#: How the watch reads the values' identities (CPython: the quick way; elsewhere: ``id``).
+identities = _identities_by_pointer if sys.implementation.name == "cpython" else _identities_by_map
+
+
 class NamespaceWatch:
     """``watchable`` for one namespace, scanning only what changed since the last call.
 
@@ -80,7 +103,7 @@ class NamespaceWatch:
         #: The ledger the handed-out tensors were registered in (the caller's key, unused here).
         self.ledger = ledger
         self._keys: list[Any] = []
-        self._ids: np.ndarray[Any, Any] = np.zeros(0, dtype=np.uint64)
+        self._ids: np.ndarray[Any, Any] = np.zeros(0, dtype=np.uintp)
         #: Per name: what is handed out at every call (modules, leaves, container contents).
         self._lasting: dict[Any, list[weakref.ref[Any]]] = {}
         self._containers: set[Any] = set()
@@ -113,7 +136,7 @@ class NamespaceWatch:
         """Names bound, rebound or deleted since the last call. The common case (names only
         added or rebound) compares the values' identities as one array, in C."""
         keys = list(ns)
-        ids = np.fromiter(map(id, ns.values()), dtype=np.uint64, count=len(keys))
+        ids = identities(ns.values(), len(keys))
         old_keys, old_ids = self._keys, self._ids
         self._keys, self._ids = keys, ids
         m = len(old_keys)
