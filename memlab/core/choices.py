@@ -38,6 +38,8 @@ class Source(Choice):
     CUDA_ALLOCATOR = "cuda-allocator"  # the caching allocator's own counters
     TENSOR_ACCOUNTING = "tensor-accounting"  # bytes of the tensor storages memlab saw
     ESTIMATE = "estimate"  # a prediction by memlab.estimate, not a measurement
+    # the CPU allocator's own record (memlab.core.allocations): sees inside compiled code
+    CPU_ALLOCATOR = "cpu-allocator"
 
 
 class PeakScope(Choice):
