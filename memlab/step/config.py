@@ -293,4 +293,3 @@ def _check_levers(c: RunConfig) -> None:
             "checkpoint_saves chooses what checkpointed blocks keep: also pass "
             "checkpoint='auto' or the module paths to checkpoint."
         )
-

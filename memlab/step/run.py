@@ -280,7 +280,9 @@ def _step(
     return [], []
 
 
-def _mark(region: track | CompiledRegion, t: torch.Tensor, category: Category = Category.INPUT) -> None:
+def _mark(
+    region: track | CompiledRegion, t: torch.Tensor, category: Category = Category.INPUT
+) -> None:
     region.mark(t, category)
 
 
