@@ -181,6 +181,17 @@ def test_the_meter_sees_a_compiled_function_keep_only_its_output(functions: Any)
     assert (compiled.peak, compiled.net, compiled.count) == (nbytes([y]), nbytes([y]), 1)
 
 
+def test_under_the_tensor_accounting_a_compiled_function_runs_eagerly(functions: Any) -> None:
+    """Why a compiled step is not measured under memlab's dispatch mode: dynamo runs the frame
+    eagerly while one is active, so it would report the eager figures."""
+    x = torch.randn(256, 512)
+    with torch.no_grad():
+        functions["compiled chain"](x)
+        with memlab.track("cpu"), AllocationRecord() as rec:
+            functions["compiled chain"](x)
+    assert rec.result is not None and rec.result.count == 3  # the eager sin, cos and exp
+
+
 def test_the_meter_sees_a_compiled_functions_own_buffer(functions: Any) -> None:
     """``mm(x.sin(), w).cos()``: the sine must exist for the product (an external kernel), so
     inductor allocates it, then takes the cosine in place in the product's output: two

@@ -86,12 +86,16 @@ def compiling(config: RunConfig, device: torch.device) -> Iterator[None]:
     except Exception as e:
         if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
             raise
+        name, text = type(e).__name__, str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        # the backend failed (no compiler, no Triton), or dynamo could not trace the model
+        backend = type(e).__module__.startswith("torch._inductor") or "Backend" in name
         needs = "a C++ compiler (g++ or clang++, or CXX)" if device.type == "cpu" else "Triton"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        hint = f"Inductor needs {needs} there; " if backend else ""
         raise WhatIfError(
             f"compile={config.compile!r}: torch.compile could not compile the model on "
-            f"{device.type} ({type(e).__name__}: {first:.300}). Inductor needs {needs} there; "
-            "pass compile=False to measure the eager step."
+            f"{device.type} ({name}: {first:.300}). {hint}pass compile=False to measure the "
+            "eager step."
         ) from e
 
 
