@@ -325,3 +325,44 @@ def test_the_panel_offers_the_toggle_where_one_plain_step_runs() -> None:
     ex.mode.value = "no_grad"  # a forward compiles too, offload left on for training hidden
     ex.offload.value = "both"
     assert shown() and ex.config.compile is True
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_compiled_step_is_the_allocators_peak() -> None:
+    """On CUDA the caching allocator's counters measure the compiled step: the same model
+    compiled and stepped by the test peaks as high above where it started (not yet run on a
+    GPU: this machine has none)."""
+
+    def on_gpu() -> nn.Module:
+        return blocks().cuda()
+
+    def gpu_rows(batch: int) -> torch.Tensor:
+        return rows(batch).cuda()
+
+    config = BASE.with_(device="cuda", compile=True)
+    eager = run(on_gpu, gpu_rows, None, config.with_(compile=False))
+    compiled = run(on_gpu, gpu_rows, None, config)
+    r = compiled.report
+    assert r is not None and r.source == "cuda-allocator"
+    assert r.breakdown is not None
+    assert r.breakdown.at_peak[Category.PARAMETER] == nbytes(blocks().parameters())
+    assert compiled.peak is not None and eager.peak is not None and compiled.peak <= eager.peak
+    model = torch.compile(on_gpu())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        out = model(gpu_rows(BASE.batch_size))
+        loss = out.float().pow(2).mean() / 1
+        loss.backward()
+        del out, loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    assert r.peak_allocated - r.allocated_before == torch.cuda.max_memory_allocated() - start
