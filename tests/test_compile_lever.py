@@ -266,6 +266,12 @@ def test_a_compiled_step_says_what_it_knows_and_what_not(runs: Any) -> None:
         assert "no breakdown by category inside compiled code" in shown
         assert "compiled in 2 warm-up steps" in shown and "not the step&#x27;s" not in text
     assert "CPU allocator&#x27;s own record" in html or "CPU allocator's own record" in html
+    timeline = compiled.report.timeline  # every allocation of the record, the peak kept
+    assert timeline is not None and timeline.source == "cpu allocator record"
+    assert max(timeline.allocated) == compiled.peak and set(timeline.phases) == {"other"}
+    assert timeline.allocated[-1] == compiled.report.allocated_after
+    assert list(timeline.seconds) == sorted(timeline.seconds)
+    assert timeline.seconds[-1] <= compiled.report.seconds
     table = Comparison([eager, compiled])
     row = table.rows()[1]
     assert row.activations is None and row.vs_baseline == compiled.peak - eager.peak

@@ -55,3 +55,4 @@ class TimelineSource(Choice):
     TENSOR_ACCOUNTING = "tensor accounting"
     ALLOCATOR_MODEL = "allocator model"
     SNAPSHOT = "cuda snapshot"  # a trace recorded by torch.cuda.memory._record_memory_history
+    ALLOCATION_RECORD = "cpu allocator record"  # memlab.core.allocations: every allocation

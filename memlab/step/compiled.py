@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 import weakref
 from collections.abc import Iterator
@@ -25,10 +26,12 @@ from torch import nn
 
 from memlab.core.allocations import AllocationRecord
 from memlab.core.categories import Category
-from memlab.core.choices import Source
+from memlab.core.choices import Source, TimelineSource
 from memlab.core.devices import Target, resolve
+from memlab.core.recorder import Phase
 from memlab.region import track
-from memlab.reports.report import Breakdown, MemoryReport
+from memlab.region.assemble import thin
+from memlab.reports.report import Breakdown, MemoryReport, Timeline
 from memlab.step.config import RunConfig, WhatIfError
 from memlab.step.options import CUDA_GRAPH_MODES
 
@@ -181,6 +184,7 @@ class CompiledRegion:
         self._record = AllocationRecord() if device.type == "cpu" else None
         self._before: Known | None = None
         self._t0 = self._seconds = 0.0
+        self._t0_ns = 0
         self._report: MemoryReport | None = None
 
     def mark(self, t: torch.Tensor, category: Category = Category.INPUT) -> None:
@@ -196,7 +200,7 @@ class CompiledRegion:
             self._cuda.__enter__()
         if self._record is not None:
             self._record.__enter__()
-        self._t0 = time.perf_counter()
+        self._t0, self._t0_ns = time.perf_counter(), time.time_ns()  # the record's clock
         return self
 
     def __exit__(
@@ -216,6 +220,20 @@ class CompiledRegion:
             raise RuntimeError("the compiled step was not measured to its end")
         return self._report
 
+    def _timeline(self, events: tuple[tuple[int, int, int], ...], start: int) -> Timeline | None:
+        """Every allocation and free of the record (thinned, the peak kept), its phases not
+        known: "other" throughout."""
+        totals = list(itertools.accumulate(size for _, size, _ in events))
+        if not totals:
+            return None
+        keep = thin(totals)
+        return Timeline(
+            seconds=tuple(max(0.0, (events[i][0] - self._t0_ns) / 1e9) for i in keep),
+            allocated=tuple(start + totals[i] for i in keep),
+            phases=(Phase.NAMES[Phase.OTHER],) * len(keep),
+            source=TimelineSource.ALLOCATION_RECORD,
+        )
+
     def _build(self, after: Known) -> MemoryReport:
         before = self._before
         assert before is not None
@@ -232,6 +250,7 @@ class CompiledRegion:
                 allocated_after=start + rec.net,
                 peak_allocated=start + rec.peak,
                 seconds=self._seconds,
+                timeline=self._timeline(rec.events, start),
             )
             meter = (
                 "the CPU allocator's own record (PyTorch's profiler memory events; before the "
