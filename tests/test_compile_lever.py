@@ -298,6 +298,14 @@ def test_a_compiler_that_cannot_run_is_an_error_naming_the_field(
         run(Odd, lambda b: torch.ones(b, 3), None, BASE.with_(batch_size=2, compile=True))
 
 
+def test_a_running_profiler_is_an_error_naming_the_field(runs: Any) -> None:
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
+        pytest.raises(WhatIfError, match=r"compile=True on the CPU is measured by PyTorch's prof"),
+    ):
+        run(blocks, rows, None, BASE.with_(compile=True))
+
+
 # -- the estimator and the panel ------------------------------------------------------------------
 
 

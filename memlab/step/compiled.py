@@ -198,8 +198,14 @@ class CompiledRegion:
         self._before = Known.of(self.model, self.opt)
         if self._cuda is not None:
             self._cuda.__enter__()
-        if self._record is not None:
-            self._record.__enter__()
+        try:
+            if self._record is not None:
+                self._record.__enter__()
+        except RuntimeError as e:  # a profiler of the user's is running
+            raise WhatIfError(
+                f"compile={self.config.compile!r} on the CPU is measured by PyTorch's profiler, "
+                f"and {e}; or pass compile=False."
+            ) from e
         self._t0, self._t0_ns = time.perf_counter(), time.time_ns()  # the record's clock
         return self
 
