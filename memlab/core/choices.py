@@ -38,6 +38,8 @@ class Source(Choice):
     CUDA_ALLOCATOR = "cuda-allocator"  # the caching allocator's own counters
     TENSOR_ACCOUNTING = "tensor-accounting"  # bytes of the tensor storages memlab saw
     ESTIMATE = "estimate"  # a prediction by memlab.estimate, not a measurement
+    # the CPU allocator's own record (memlab.core.allocations): sees inside compiled code
+    CPU_ALLOCATOR = "cpu-allocator"
 
 
 class PeakScope(Choice):
@@ -53,3 +55,4 @@ class TimelineSource(Choice):
     TENSOR_ACCOUNTING = "tensor accounting"
     ALLOCATOR_MODEL = "allocator model"
     SNAPSHOT = "cuda snapshot"  # a trace recorded by torch.cuda.memory._record_memory_history
+    ALLOCATION_RECORD = "cpu allocator record"  # memlab.core.allocations: every allocation

@@ -1,6 +1,6 @@
 """What a step's levers (`memlab.step.levers`) change in a prediction that the step on ``meta``
 cannot show by itself: the allocator model (``expandable_segments``), and the notes that say
-how each lever was modelled."""
+how each lever was modelled (or, for ``compile``, that it was not)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,13 @@ def lever_notes(config: RunConfig) -> list[str]:
         notes.append(
             "allocator modelled with expandable_segments:True (pages of 2 MiB and 20 MiB "
             "mapped as needed): reserved changes, allocated does not"
+        )
+    if config.compile:
+        notes.append(
+            "torch.compile is not modelled: inductor's fused kernels and what its partitioner "
+            "saves for backward do not run on meta, so these are the eager step's figures, "
+            "usually an upper bound of the compiled step's (it tends to keep fewer "
+            "intermediates) but not a guaranteed one; measure it on the GPU "
+            f"(RunConfig(compile={config.compile!r})) for its own figures"
         )
     return notes

@@ -8,6 +8,8 @@ another mode (an offload, a lever, ranks) neither shows nor turns a run into an 
 - checkpointing needs a forward with grad: not under no_grad, inference_mode or generate;
 - "checkpoints keep matmuls" needs checkpointing on; "8-bit optimizer state" needs Adam or
   AdamW; "sharding" needs 2 ranks or more; "new tokens" needs generate;
+- "torch.compile" measures one plain step: not with generate, the retention experiment,
+  offload or ranks (compiled code escapes the tensor accounting those read);
 - the optimizer's levers stay on the device: not with the optimizer offloaded to the host;
   "optimizer step in backward" steps each gradient as it comes: not with accumulation or fp16
   (the checks of `memlab.step.config`, as the panel's choices rather than an error after Run).
@@ -33,6 +35,7 @@ NEUTRAL: dict[str, Any] = {
     "optimizer_in_backward": False,
     "optimizer_state_bits": 32,
     "checkpoint_saves": "nothing",
+    "compile": False,
 }
 #: The controls whose value changes which others apply.
 DRIVERS = (
@@ -58,6 +61,9 @@ def applying(self: Any) -> dict[str, bool]:
     # the optimizer's levers, on the device: not when offload steps the optimizer on the host
     device_optimizer = training and self.offload.value not in ("optimizer", "both")
     one_pass = self.accumulation.value == 1 and self.amp.value != "fp16"
+    # one plain step, to compile: not a generation, the experiment, offload or ranks
+    spread = training and (self.offload.value != "off" or self.world_size.value > 1)
+    plain = mode != Mode.GENERATE and training == train and not spread
     return {
         "new_tokens": mode == Mode.GENERATE,
         "retention": train,
@@ -70,6 +76,7 @@ def applying(self: Any) -> dict[str, bool]:
         "optimizer_in_backward": device_optimizer and one_pass,
         "optimizer_state_bits": device_optimizer and self.optimizer.value in ("adam", "adamw"),
         "checkpoint_saves": checkpoint and self.checkpoint.value != "off",
+        "compile": plain,
     }
 
 

@@ -44,6 +44,12 @@ TOGGLES = (
         "the frozen base Linear layers in bitsandbytes' NF4 layout with double quantization: "
         "their bytes are modelled, not bitsandbytes itself, which needs CUDA",
     ),
+    (
+        "compile",
+        "torch.compile",
+        "the model compiled by torch.compile (inductor) in warm-up steps, then measured by the "
+        "allocator (no breakdown inside compiled code); a simulated GPU shows the eager step",
+    ),
 )
 VALUES: dict[str, tuple[Any, Any]] = {
     "optimizer_state_bits": (8, 32),

@@ -55,6 +55,8 @@ def layout(r: MemoryReport) -> Layout:
         subtitle = "CUDA caching allocator"
     elif r.source == Source.ESTIMATE:
         subtitle = "PREDICTED: a meta-device run replayed through a model of the CUDA allocator"
+    elif r.source == Source.CPU_ALLOCATOR:
+        subtitle = "CPU allocator's own record: every allocation, inside compiled code too"
     else:
         subtitle = "tensor accounting: exact bytes of the tensor storages memlab saw"
     rows = [Row("allocated", r.allocated_before, r.allocated_after, r.peak_allocated)]

@@ -78,9 +78,10 @@ class MemoryReport(Result):
     """What one region did to one device's memory.
 
     ``source`` says where the numbers come from: ``"cuda-allocator"`` (the caching allocator's
-    own counters), ``"estimate"`` (a prediction by `memlab.estimate`, not a measurement) or
+    own counters), ``"estimate"`` (a prediction by `memlab.estimate`, not a measurement),
     ``"tensor-accounting"`` (bytes of the tensor storages memlab saw; on a CPU,
-    "allocated" means the live storages memlab knows about).
+    "allocated" means the live storages memlab knows about) or ``"cpu-allocator"`` (the CPU
+    allocator's own record of the region, which sees inside compiled code: a compiled step).
     """
 
     css = "memlab-report"

@@ -31,6 +31,11 @@ BEFORE = (
     "the optimizer state of the warm-up step, and anything else alive (your own tensors and "
     "outputs from earlier cells, other models); the peak includes it"
 )
+#: Said under the table when a run is compiled.
+COMPILED = (
+    "activations n/a: a compiled step (torch.compile) is measured by the allocator, which does "
+    "not say what a block is for; its peak and end are exact"
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class Row:
     before: int | None
     #: Peak minus its baseline's peak; None on a baseline row or without a peak.
     vs_baseline: int | None
-    #: The most activation bytes alive at any moment of the step.
-    activations: int
+    #: The most activation bytes alive at any moment of the step; None for a compiled step,
+    #: whose categories are not known inside compiled code.
+    activations: int | None
     #: None for a prediction (its run time is the meta device's, not a GPU's) or a failed run.
     seconds: float | None
     verdict: str
@@ -95,7 +101,7 @@ class Comparison(Result):
                     r.peak,
                     r.report.allocated_before if r.report else None,
                     change,
-                    breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0,
+                    None if _compiled(r) else _activations(breakdown),
                     r.report.seconds if r.report and not r.predicted_for else None,
                     r.verdict,
                 )
@@ -124,7 +130,8 @@ class Comparison(Result):
         return None
 
     def notes(self) -> list[str]:
-        said = [BEFORE, self.baseline_note(), self.activation_note()]
+        compiled = any(_compiled(r) for r in self.results)
+        said = [BEFORE, self.baseline_note(), self.activation_note(), COMPILED if compiled else ""]
         return [n for n in said if n]
 
     def baseline_note(self) -> str | None:
@@ -212,6 +219,16 @@ class Comparison(Result):
             ax,
             budget=budgets[-1] if budgets else None,
         )
+
+
+def _compiled(r: RunResult) -> bool:
+    """A measured compiled step: no categories inside compiled code (a prediction of one is
+    the eager step's, with its categories)."""
+    return bool(r.config.compile) and r.predicted_for is None
+
+
+def _activations(breakdown: Any) -> int:
+    return breakdown.highest.get(Category.ACTIVATION, 0) if breakdown else 0
 
 
 def _at_peak(r: RunResult) -> dict[Category, int]:

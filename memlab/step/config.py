@@ -23,6 +23,9 @@ from memlab.step.options import (
     Optimizer,
     Retention,
     Sharding,
+    check_compile,
+    check_generation,
+    compile_of,
 )
 
 #: The choices are re-exported: users import them from here.
@@ -80,6 +83,9 @@ class RunConfig:
         "int8", "nf4" or "nf4_double" (`BaseWeights`); their bytes modelled, not bitsandbytes.
     cache: "dynamic" (grown a token at a time) or "static" (Hugging Face's StaticCache: room
         for the prompt and every new token taken up front; mode "generate").
+    compile: the model wrapped in ``torch.compile`` (inductor), compiled in warm-up steps and
+        then measured: True (mode "default"), or a mode: "reduce-overhead", "max-autotune",
+        "max-autotune-no-cudagraphs" (`memlab.step.compiled`). Predictions do not model it.
     """
 
     amp: Amp = Amp.OFF
@@ -107,6 +113,8 @@ class RunConfig:
     base_weights: BaseWeights = BaseWeights.AS_BUILT
     # generation (memlab.step.kvcache): Hugging Face's cache class
     cache: str = "dynamic"
+    # torch.compile (memlab.step.compiled): False, True ("default") or a mode
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -144,11 +152,13 @@ class RunConfig:
             )
         if self.budget is not None and self.budget <= 0:
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
+        object.__setattr__(self, "compile", compile_of(self.compile, WhatIfError))
         _check_levers(self)
+        check_compile(self, WhatIfError)
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
         _check_ranks(self)
-        _check_generation(self)
+        check_generation(self, WhatIfError)
         if self.offload != Offload.OFF and not self.training:
             raise WhatIfError(
                 f"offload={str(self.offload)!r} moves a training step's memory to the host: use "
@@ -190,6 +200,8 @@ class RunConfig:
         if self.base_weights != BaseWeights.AS_BUILT:
             parts.append(f"base weights {self.base_weights}")
         parts += ["static cache"] if self.cache == "static" else []
+        if self.compile:
+            parts.append("torch.compile" + ("" if self.compile is True else f" {self.compile}"))
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,6 +230,7 @@ class RunConfig:
             "offload": str(self.offload),
             "base_weights": str(self.base_weights),
             "cache": self.cache,
+            "compile": self.compile,
         }
 
 
@@ -279,15 +292,4 @@ def _check_levers(c: RunConfig) -> None:
         raise WhatIfError(
             "checkpoint_saves chooses what checkpointed blocks keep: also pass "
             "checkpoint='auto' or the module paths to checkpoint."
-        )
-
-
-def _check_generation(c: RunConfig) -> None:
-    """The generation fields (`memlab.step.kvcache`)."""
-    if c.cache not in ("dynamic", "static"):
-        raise WhatIfError(f"cache must be 'dynamic' or 'static', not {c.cache!r}.")
-    if c.cache == "static" and c.mode != Mode.GENERATE:
-        raise WhatIfError(
-            "cache='static' is the key/value cache of a generation: use mode='generate', or "
-            "cache='dynamic'."
         )

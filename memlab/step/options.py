@@ -1,8 +1,11 @@
 """The choices of a step's configuration: string enums that also accept their strings
 (``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same configuration).
-`memlab.step.config` re-exports them."""
+`memlab.step.config` re-exports them. Also the checks of the fields that take a mode or a
+combination of their own (``compile``, the generation's ``cache``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -88,6 +91,67 @@ class BaseWeights(Choice):
     INT8 = "int8"  # bitsandbytes' LLM.int8: int8, a float32 scale per row
     NF4 = "nf4"  # bitsandbytes' 4-bit NormalFloat: packed codes, a float32 absmax per 64
     NF4_DOUBLE = "nf4_double"  # the same, the absmax double-quantized (QLoRA)
+
+
+#: ``torch.compile``'s modes (``RunConfig(compile=...)``; True is "default"). Those that use
+#: CUDA graphs keep a graph's memory pool of their own: a real difference on a GPU, none on a CPU.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_of(value: Any, error: type[Exception]) -> bool | str:
+    """``RunConfig.compile`` as it is kept: False, True (mode "default") or another mode."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, str) and value in COMPILE_MODES:
+        return True if value == "default" else value
+    modes = ", ".join(map(repr, COMPILE_MODES))
+    raise error(f"compile must be True, False or a torch.compile mode ({modes}), not {value!r}.")
+
+
+def check_compile(c: Any, error: type[Exception]) -> None:
+    """What ``compile`` cannot go with (``c``: the RunConfig)."""
+    if not c.compile:
+        return
+    refused = {
+        "mode='generate'": (
+            c.mode == Mode.GENERATE,
+            "a generation compiles its decode step its own way (a static cache)",
+        ),
+        f"retention={str(c.retention)!r}": (
+            c.retention != Retention.OFF,
+            "the experiment's series is read from tensor accounting, which compiled code escapes",
+        ),
+        f"offload={str(c.offload)!r}": (
+            c.offload != Offload.OFF,
+            "offload's saved-tensor hooks do not run inside a compiled graph",
+        ),
+        f"world_size={c.world_size}": (
+            c.world_size > 1,
+            "the per-rank rule divides the step's categories, which compiled code does not show",
+        ),
+        "warmup=False": (
+            not c.warmup,
+            "compiling happens in the warm-up steps, and would otherwise be measured as the step",
+        ),
+    }
+    for what, (bad, why) in refused.items():
+        if bad:
+            raise error(
+                f"compile={c.compile!r} cannot go with {what}: {why}. Pass compile=False, or "
+                "change that setting."
+            )
+
+
+def check_generation(c: Any, error: type[Exception]) -> None:
+    """The generation fields (`memlab.step.kvcache`; ``c``: the RunConfig)."""
+    if c.cache not in ("dynamic", "static"):
+        raise error(f"cache must be 'dynamic' or 'static', not {c.cache!r}.")
+    if c.cache == "static" and c.mode != Mode.GENERATE:
+        raise error(
+            "cache='static' is the key/value cache of a generation: use mode='generate', or "
+            "cache='dynamic'."
+        )
 
 
 #: Kept for one release: the choices as tuples of strings.

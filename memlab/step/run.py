@@ -26,6 +26,7 @@ from memlab.region import track
 from memlab.reports.oom import OOMExplanation
 from memlab.reports.report import MemoryReport
 from memlab.step.base_weights import quantized_base
+from memlab.step.compiled import CompiledRegion, compiled, compiling, warmups
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import Stage, generate, unstaged
 from memlab.step.kvcache import cache_note
@@ -144,15 +145,21 @@ def run(
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
         amp = autocast_of(config.amp, device, hooks.autocast)
-        user = UserStep(model, input_fn, loss_fn, step_fn, device)
+        user = UserStep(compiled(model, config, device), input_fn, loss_fn, step_fn, device)
         step = functools.partial(_step, user, config, opt, scaler, amp, off)
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
         warm = functools.partial(_step, user, one, opt, scaler, amp, off)
-        region = track(device, breakdown=True, timeline=True, watch=[model])
+        region: track | CompiledRegion = (  # a compiled step: measured without a dispatch mode
+            CompiledRegion(device, config, model, opt)
+            if config.compile
+            else track(device, breakdown=True, timeline=True, watch=[model])
+        )
         try:
             if config.warmup:
-                warm(_unmarked, unstaged)
+                with compiling(config, device):  # torch.compile compiles here, or says why not
+                    for _ in range(warmups(config)):
+                        warm(_unmarked, unstaged)
                 # with fp16, the scaler skips the optimizer's step while the scaled gradients
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
@@ -273,7 +280,9 @@ def _step(
     return [], []
 
 
-def _mark(region: track, t: torch.Tensor, category: Category = Category.INPUT) -> None:
+def _mark(
+    region: track | CompiledRegion, t: torch.Tensor, category: Category = Category.INPUT
+) -> None:
     region.mark(t, category)
 
 
