@@ -53,3 +53,19 @@ def test_a_running_profiler_is_refused_and_left_running() -> None:
             pass
         torch.ones(3).sum()
     assert any(e.name == "aten::sum" for e in prof.events())
+
+
+def test_the_profiler_prints_nothing_to_the_process_stderr() -> None:
+    """Its C++ side writes to file descriptor 2 (shown under a notebook cell): run in a child
+    process whose stderr is a pipe, nothing arrives."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom memlab.core.allocations import AllocationRecord\n"
+        "with AllocationRecord() as r:\n    torch.ones(10)\n"
+        "with AllocationRecord() as r:\n    torch.ones(10)\n"
+        "import sys; print('after', file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stderr == "after\n"

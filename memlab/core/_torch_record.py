@@ -9,6 +9,10 @@ moves to reading the record when it stops (a few microseconds an allocation).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +36,29 @@ def allocation_record_available() -> str | None:
     return _missing
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """The profiler's C++ side prints a line to the process's stderr as it starts and stops
+    ("profiler_start", "profiler_stop"), which a notebook shows under the cell: for the length
+    of those calls, file descriptor 2 points at /dev/null, then back where it was."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no usable stderr: nothing to quiet
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _config() -> Any:
     # state, report_input_shapes, profile_memory, with_stack, with_flops, with_modules, experimental
     return _p.ProfilerConfig(
@@ -51,14 +78,16 @@ def start_allocation_record() -> None:
             "too, so it cannot start inside one (stop the profiler first)"
         )
     activities = {_p.ProfilerActivity.CPU}
-    _autograd._prepare_profiler(_config(), activities)
-    _autograd._enable_profiler(_config(), activities, {_p.RecordScope.LITE_INTERPRETER})
+    with _quiet_stderr():
+        _autograd._prepare_profiler(_config(), activities)
+        _autograd._enable_profiler(_config(), activities, {_p.RecordScope.LITE_INTERPRETER})
 
 
 def stop_allocation_record() -> list[tuple[int, int, int]]:
     """Stops the record started above and returns its allocations in order: (time in ns, bytes
     (negative for a free), address). Checked 2.4.1, 2.11, 2.13."""
-    result = _autograd._disable_profiler()
+    with _quiet_stderr():
+        result = _autograd._disable_profiler()
     events: list[tuple[int, int, int]] = []
     stack = list(result.experimental_event_tree())
     while stack:
