@@ -111,7 +111,9 @@ def test_the_downsampling_1x1_sizes_are_in_their_ranges(resnet50_convolutions: A
     # the strided 1x1 convolutions (ResNet's shortcut): the float32 forward of the first,
     # at 56x56, took the input and the weight, the others both activations
     sizes = measured_sizes(RESNET50, "no_grad")
-    strided = [c for c in resnet50_convolutions if c[0].kernel_size == (1, 1) and c[0].stride != (1, 1)]
+    strided = [
+        c for c in resnet50_convolutions if c[0].kernel_size == (1, 1) and c[0].stride != (1, 1)
+    ]
     assert len(strided) == 3
     for conv, x, y in strided:
         a, b, w = nbytes(x, 4), nbytes(y, 4), conv.weight.numel() * 4

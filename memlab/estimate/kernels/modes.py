@@ -10,12 +10,13 @@ import torch
 
 from memlab.core import _torch
 from memlab.core._torch import OwnedMode
-from memlab.estimate.kernels import conv
 from memlab.estimate.kernels.buffers import (
     EFFICIENT_BACKWARD,
     efficient_backward_buffers,
     embedding_backward,
 )
+from memlab.estimate.kernels.conv import backward as conv_backward
+from memlab.estimate.kernels.conv import forward as conv_forward
 from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.plain import accumulated
 from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
@@ -114,9 +115,9 @@ class CudaAllocations(OwnedMode):
         if func is aten.embedding_dense_backward.default and not kwargs:
             return embedding_backward(func, *args)
         if func is aten.convolution.default:
-            return conv.forward(func, args, kwargs or {})
+            return conv_forward(func, args, kwargs or {})
         if func is aten.convolution_backward.default:
-            return conv.backward(func, args, kwargs or {})
+            return conv_backward(func, args, kwargs or {})
         if func in _SUMS:
             out = func(*args, **(kwargs or {}))
             buffer, semaphores = _staging(first, args[1] if len(args) > 1 else None, self.sms)
