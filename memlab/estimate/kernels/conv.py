@@ -34,8 +34,9 @@ def conv_workspace(a: int, b: int, weight: int, of_weights: bool) -> tuple[int, 
     Read from the ResNet-18 and ResNet-50 traces on an H100 (cuDNN 9, tests/data/validation):
     the usual forward and backward-data workspace is both activations and the weight (+16 B),
     the range a quarter either way; the backward-weights workspace is that sum and up to 40 %
-    more (1.2 times, predicted). Some calls pick an algorithm outside these ranges (from half to
-    one and a half times the usual size): docs/estimator.md, "Ranges"."""
+    more (1.2 times, predicted). Some calls pick an algorithm outside these ranges (the input and
+    the weight at 56 x 56 positions in float32, half the usual size; 1.3 to 1.5 times at 14 x
+    14): docs/estimator.md, "cuDNN convolution workspaces"."""
     base = a + b + weight + 16
     if of_weights:
         return base * 6 // 5, base, base * 7 // 5
