@@ -64,6 +64,16 @@ MiB = 2**20
 #: added in main() where those are installed (the child process of a torch.nn case skips them).
 MODELS: dict[str, Case] = dict(TORCH_NN_MODELS)
 
+#: Models whose predictions rest in part on a rule read from their own recorded runs alone,
+#: so that their rows check that rule less than the others' do: marked ¶ in the table.
+OWN_EVIDENCE = {
+    "resnet-50 (torchvision)": (
+        "its stride-1 1×1 convolutions' cuDNN workspaces follow a rule read from its own "
+        "recorded runs alone: no other recorded network has such convolutions "
+        '(docs/estimator.md, "cuDNN convolution workspaces")'
+    ),
+}
+
 
 def config(model: str, name: str) -> RunConfig | None:
     """The case's configuration, or None where it does not apply (checkpointing an LSTM)."""
@@ -352,6 +362,7 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
         if er is not None:
             reserved_errors.append(abs(er))
         mark = " †" if r.get("stored") else " ‡" if r.get("rebuilt") else ""
+        mark += " ¶" if r["model"] in OWN_EVIDENCE else ""
         ra, rr = (span(pred, real, k) for k in ("peak_allocated", "peak_reserved"))
         lines.append(
             f"| {r['model']}{mark} | {r['config']} | {mib(real.get('peak_allocated'))} | "
@@ -383,6 +394,8 @@ def table(rows: list[dict[str, Any]], gpu: GPU | str, dry: bool) -> list[str]:
             "‡ predicted again with the model rebuilt from torch.nn "
             "(`memlab.examples.cases.REBUILT`): its library does not import here.",
         ]
+    for model in dict.fromkeys(r["model"] for r in rows if r["model"] in OWN_EVIDENCE):
+        lines += ["", f"¶ {model}: {OWN_EVIDENCE[model]}."]
     return lines
 
 

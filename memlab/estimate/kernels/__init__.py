@@ -1,7 +1,8 @@
 """CUDA kernels whose memory differs from what the same call does on ``meta``, emulated so that
 a meta run allocates what a GPU would: attention (`attention`), cuBLAS workspaces, layer norm
 and dropout (`modes`), dropout's fused kernel (`dropout`), the transformer layers' fast paths
-(`fastpath`) and cuDNN's recurrent layers (`rnn`). Why each differs: docs/estimator.md."""
+(`fastpath`), cuDNN's recurrent layers (`rnn`) and its convolutions' workspaces (`conv`). Why
+each differs: docs/estimator.md."""
 
 from __future__ import annotations
 

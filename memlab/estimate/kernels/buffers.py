@@ -1,7 +1,7 @@
-"""Buffers that CUDA kernels allocate for a call and a meta kernel does not: cuDNN's
-convolution workspaces (a range), the memory-efficient attention's backward buffers and the
-embedding backward's temporaries. `CudaAllocations` (`modes.py`) calls these after the op's own
-outputs, as the GPU allocates them."""
+"""Buffers that CUDA kernels allocate for a call and a meta kernel does not: the
+memory-efficient attention's backward buffers and the embedding backward's temporaries
+(cuDNN's convolution workspaces: `conv.py`). `CudaAllocations` (`modes.py`) calls these after
+the op's own outputs, as the GPU allocates them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
-from memlab.estimate.spread import uncertain_empty
 
 aten = torch.ops.aten
 
@@ -36,48 +35,6 @@ def efficient_backward_buffers(query: torch.Tensor) -> None:
         size = b * h * m * (k + 1) * 4 + 256
     work = torch.empty(size, dtype=torch.uint8, device=query.device)
     del delta, work
-
-
-def conv_workspace(a: int, b: int, weight: int, of_weights: bool) -> tuple[int, int, int]:
-    """(predicted, smallest, largest) workspace of one cuDNN convolution call: ``a`` and ``b``
-    the bytes of the activations it reads and writes (forward: input and output; backward data:
-    the output's and the input's gradients; backward weights: the input and the output's
-    gradient), ``weight`` the weight's bytes.
-
-    Read from the ResNet-18 and ResNet-50 traces on an H100 (cuDNN 9, tests/data/validation):
-    the usual forward and backward-data workspace is both activations and the weight (+16 B),
-    the range a quarter either way; the backward-weights workspace is that sum and up to 40 %
-    more (1.2 times, predicted). Some calls pick an algorithm outside these ranges (from half to
-    one and a half times the usual size): docs/estimator.md, "Ranges"."""
-    base = a + b + weight + 16
-    if of_weights:
-        return base * 6 // 5, base, base * 7 // 5
-    return base, base * 3 // 4, base * 5 // 4
-
-
-def conv_workspaces(func: Any, args: tuple[Any, ...], out: Any) -> None:
-    """The workspaces of a convolution (forward) or of its backward, allocated and freed."""
-    if func is aten.convolution.default:
-        x, w = args[0], args[1]
-        groups = args[8]
-        calls = [(x, out, False)]
-    else:
-        grad, x, w = args[0], args[1], args[2]
-        groups, mask = args[9], args[10]
-        calls = [(grad, out[0], False)] if mask[0] and out[0] is not None else []
-        calls += [(x, grad, True)] if mask[1] else []
-    if groups > 1 and groups == x.shape[1]:  # depthwise: kernels without a workspace
-        return
-    for a, b, of_weights in calls:
-        size = conv_workspace(_bytes(a), _bytes(b), _bytes(w), of_weights)
-        what = (
-            "backward weights"
-            if of_weights
-            else "forward"
-            if len(calls) == 1 and func is aten.convolution.default
-            else "backward data"
-        )
-        uncertain_empty(*size, f"aten.convolution: cuDNN workspace ({what})", x)
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -12,10 +12,11 @@ from memlab.core import _torch
 from memlab.core._torch import OwnedMode
 from memlab.estimate.kernels.buffers import (
     EFFICIENT_BACKWARD,
-    conv_workspaces,
     efficient_backward_buffers,
     embedding_backward,
 )
+from memlab.estimate.kernels.conv import backward as conv_backward
+from memlab.estimate.kernels.conv import forward as conv_forward
 from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.plain import accumulated
 from memlab.estimate.kernels.reduce import DEFAULT_SMS, staging
@@ -61,7 +62,8 @@ class CudaAllocations(OwnedMode):
     - CUDA's sum over many rows into few outputs (a bias gradient) stages partial sums in a
       buffer for the call (`memlab.estimate.kernels.reduce`), after its output;
     - cuDNN's convolutions take a workspace for the call, after their outputs, of a size its
-      algorithm sets (`conv_workspace`: a range);
+      algorithm sets (`memlab.estimate.kernels.conv`, by the kind of convolution; a range
+      where the traces do not settle it);
     - CUDA's embedding backward over more than 3,072 indices sorts them and sums per segment,
       with temporaries of its own (`embedding_backward`);
     - in the warm-up step, which a GPU runs without a dispatch mode, the autograd engine sums a
@@ -113,13 +115,9 @@ class CudaAllocations(OwnedMode):
         if func is aten.embedding_dense_backward.default and not kwargs:
             return embedding_backward(func, *args)
         if func is aten.convolution.default:
-            out = func(*args, **(kwargs or {}))
-            conv_workspaces(func, args, out)
-            return out
+            return conv_forward(func, args, kwargs or {})
         if func is aten.convolution_backward.default:
-            out = func(*args, **(kwargs or {}))
-            conv_workspaces(func, args, out)
-            return out
+            return conv_backward(func, args, kwargs or {})
         if func in _SUMS:
             out = func(*args, **(kwargs or {}))
             buffer, semaphores = _staging(first, args[1] if len(args) > 1 else None, self.sms)
