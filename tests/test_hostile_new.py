@@ -304,6 +304,11 @@ def _bounded(fn: Any, seconds: float = 60) -> Any:
         ({"backend": "<junk>"}, ValueError, r"backend must be one of gloo, nccl, got '<junk>'"),
         ({"args": 5}, TypeError, r"args must be a tuple of fn's further arguments.*got int 5"),
         ({"start_method": "x"}, ValueError, r"start_method must be one of .*got 'x'"),
+        (
+            {"world_size": 64, "backend": "nccl"},
+            ValueError,
+            r"world_size=64 needs 64 .*backend='gloo'",
+        ),
     ],
 )
 def test_launch_names_a_bad_argument(
@@ -424,6 +429,17 @@ def test_the_cells_value_and_exception_are_kept_under_gpu(
     shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
     assert "KeyError: 'mine'" in shown and "raise KeyError('mine')" in shown
     assert "memlab" not in shown.replace("%%gpumem", "").replace("'gpumem'", ""), shown
+
+
+def test_the_cell_source_and_label_are_escaped_in_the_preflight(ip: Any) -> None:
+    cell = (
+        f"%%gpumem --gpu 1GiB {HOSTILE}\nnote = {HOSTILE!r}\nbig = torch.ones(2**28)  # {HOSTILE}\n"
+    )
+    assert run(ip, cell).success
+    shown = ip.rec.html()
+    assert shown and not any("<script>alert" in h or "<img" in h for h in shown)
+    assert any("&lt;script&gt;alert(1)" in h for h in shown)
+    assert ip.user_ns["note"] == HOSTILE
 
 
 # -- AllocationRecord -------------------------------------------------------------------------

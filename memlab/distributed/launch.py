@@ -162,6 +162,14 @@ def launch(
         return _here(fn, backend, args)
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be a whole number ≥ 1, got {world_size!r}.")
+    gpus = torch.cuda.device_count() if backend == "nccl" else world_size
+    if gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' gives each rank a GPU of its own: world_size={world_size} needs "
+            f"{world_size} and this machine has {gpus}: pass "
+            + (f"world_size={gpus} or less, or " if gpus else "")
+            + "backend='gloo' to run the ranks on the CPU."
+        )
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(
             f"args must be a tuple of fn's further arguments (fn(rank, world_size, *args)), "
