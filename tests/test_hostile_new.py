@@ -71,6 +71,25 @@ def test_fit_generation_checks_its_arguments_before_building_the_model(
         fit_generation(_never_built, gpu=GPU, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"world_size": 2, "sharding": "ddp"}, r"world_size=2 is a setting of a training step"),
+        ({"offload": "activations"}, r"offload='activations' is a .*pass offload='off'"),
+        ({"retention": "attached"}, r"retention='attached' is a .*pass retention='off'"),
+        ({"batch_size": 4}, r"searches the batch itself: pass batch=4 .* not batch_size"),
+    ],
+)
+def test_fit_generation_names_a_training_setting_it_cannot_take(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(WhatIfError, match=message):
+        fit_generation(_never_built, gpu=GPU, context=64, **settings)
+    if "batch_size" not in settings:  # the same through config=
+        with pytest.raises(WhatIfError, match=message):
+            fit_generation(_never_built, gpu=GPU, context=64, config=RunConfig(**settings))
+
+
 def test_fit_generation_refuses_a_context_beyond_the_models_positions() -> None:
     config: Any = llama().config
     positions = int(config.max_position_embeddings)  # the model's own limit

@@ -71,7 +71,13 @@ def fit_generation(
     card = find_gpu(gpu)
     if card is None:
         raise WhatIfError("fit_generation needs a GPU to fit on: pass gpu='L4', a GPU or bytes.")
-    config = config_of(config, settings).with_(mode="generate", device=None)
+    if "batch_size" in settings:
+        raise WhatIfError(
+            f"fit_generation searches the batch itself: pass batch={settings['batch_size']!r} "
+            "(the longest context at that batch) or context=N (the largest batch), not "
+            "batch_size."
+        )
+    config = _generating(config_of(config, settings))
     new = config.new_tokens
     if cache_dtype is not None and (
         not isinstance(cache_dtype, str) or cache_dtype not in CACHE_DTYPES
@@ -142,6 +148,23 @@ def fit_generation(
         estimates=len(tried),
         config=config.with_(batch_size=max(1, key[0])).describe(),
     )
+
+
+def _generating(config: RunConfig) -> RunConfig:
+    """``config`` as a generation, or an error naming the training setting that stops it."""
+    try:
+        return config.with_(mode="generate", device=None)
+    except WhatIfError as e:
+        for name in ("retention", "world_size", "sharding", "offload"):
+            value, default = getattr(config, name), RunConfig.__dataclass_fields__[name].default
+            if value != default:
+                got, plain = (str(v) if isinstance(v, str) else v for v in (value, default))
+                raise WhatIfError(
+                    f"fit_generation estimates a generation (mode='generate'), and {name}="
+                    f"{got!r} is a setting of a training step: leave it out, or pass "
+                    f"{name}={plain!r}."
+                ) from e
+        raise
 
 
 def _check_positions(context: int | None, new: int, longest: int, named: bool) -> None:
