@@ -227,6 +227,15 @@ def test_plain_data_in_the_wrong_layout_is_a_snapshot_error(
         load_snapshot(path, first_view=lambda s: None)
 
 
+def test_from_dict_names_a_dict_of_the_wrong_layout() -> None:
+    from memlab.snapshot import from_dict
+
+    with pytest.raises(TypeError, match=r"data=\[1, 2\] is a list: pass the dict"):
+        from_dict([1, 2], "mine")  # type: ignore[arg-type]
+    with pytest.raises(SnapshotError, match=r"mine is not laid out as a memory snapshot"):
+        from_dict({"segments": [{"total_size": 1, "blocks": [{"size": "big"}]}]}, "mine")
+
+
 def test_bad_callbacks_and_devices_name_what_to_pass(
     tmp_path: Path, snapshot: dict[str, Any]
 ) -> None:
@@ -295,6 +304,17 @@ def _fails_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+def _exits_on_rank_one(rank: int, world_size: int) -> int:
+    import sys
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        sys.exit("rank one leaves")
+    dist.barrier()
+    return rank
+
+
 def _bounded(fn: Any, seconds: float = 60) -> Any:
     """``fn()`` in a thread; a hang fails the test instead of the run."""
     out: dict[str, Any] = {}
@@ -346,6 +366,11 @@ def test_the_failing_ranks_own_error_reaches_the_caller_with_its_rank() -> None:
     assert (e.rank, e.kind) == (1, "KeyError")
     assert 'rank 1 of 2 raised KeyError: "rank one\'s own error"' in str(e)
     assert "_fails_on_rank_one" in str(e) and "memlab/distributed" not in str(e)
+
+
+def test_a_rank_that_exits_is_named_not_the_rank_it_left_waiting() -> None:
+    with pytest.raises(RankError, match=r"rank 1 of 2 raised SystemExit: rank one leaves"):
+        _bounded(lambda: launch(_exits_on_rank_one, 2, start_method="fork"))
 
 
 # -- RunConfig's newer fields -----------------------------------------------------------------

@@ -86,7 +86,7 @@ def _worker(
             value = fn(rank, world_size, *args)
             if rank == 0:
                 Path(out).write_text(_encode(value))
-        except Exception as e:
+        except BaseException as e:  # SystemExit too: the rank that stopped first is the cause
             _record_failure(out, rank, e)
             raise
         dist.barrier()  # no rank tears the group down while another still uses it
@@ -106,7 +106,7 @@ class RankError(RuntimeError):
         self.rank, self.kind, self.message = rank, kind, message
 
 
-def _record_failure(out: str, rank: int, e: Exception) -> None:
+def _record_failure(out: str, rank: int, e: BaseException) -> None:
     """What ``fn`` raised on this rank, as JSON beside rank 0's value, stamped with the time:
     the first rank to fail is the cause, the others' errors (a collective cut short) follow."""
     tb = traceback.extract_tb(e.__traceback__)

@@ -101,11 +101,17 @@ def _check_callable(f: object, name: str) -> None:
 
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
     """A `Snapshot` from a snapshot dict (``torch.cuda.memory._snapshot()``)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"data={data!r:.60} is a {type(data).__name__}: pass the dict that "
+            "torch.cuda.memory._snapshot() returns."
+        )
     dev, events = busiest(data, device)
-    collector = Collector(Frames())
-    collector.add(events)
-    trace = collector.finish(data.get("segments", ()), dev)
-    return _report(data, name, dev, trace, collector.events, source_line)
+    with _layout_checked(str(name)):
+        collector = Collector(Frames())
+        collector.add(events)
+        trace = collector.finish(data.get("segments", ()), dev)
+        return _report(data, name, dev, trace, collector.events, source_line)
 
 
 def _report(
