@@ -315,6 +315,15 @@ def _exits_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+def _gathers_to_true(rank: int, world_size: int) -> Any:
+    import memlab
+    from memlab.distributed import gather
+
+    with memlab.track("cpu") as t:
+        torch.ones(8)
+    return gather(t, dst=True)  # type: ignore[arg-type]
+
+
 def _bounded(fn: Any, seconds: float = 60) -> Any:
     """``fn()`` in a thread; a hang fails the test instead of the run."""
     out: dict[str, Any] = {}
@@ -371,6 +380,17 @@ def test_the_failing_ranks_own_error_reaches_the_caller_with_its_rank() -> None:
 def test_a_rank_that_exits_is_named_not_the_rank_it_left_waiting() -> None:
     with pytest.raises(RankError, match=r"rank 1 of 2 raised SystemExit: rank one leaves"):
         _bounded(lambda: launch(_exits_on_rank_one, 2, start_method="fork"))
+
+
+def test_gather_and_check_name_what_they_got() -> None:
+    from memlab.distributed import check, gather
+
+    with pytest.raises(TypeError, match=r"takes a memlab\.track object or its \.report, got int"):
+        gather(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"measured must be a RankTable \(gather\), got str"):
+        check("table", None)  # type: ignore[arg-type]
+    with pytest.raises(RankError, match=r"ValueError: dst must be a rank from 0 to 1, got True"):
+        _bounded(lambda: launch(_gathers_to_true, 2, start_method="fork"))
 
 
 # -- RunConfig's newer fields -----------------------------------------------------------------
