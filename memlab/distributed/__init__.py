@@ -17,7 +17,16 @@ under ``torchrun``::
 
 from memlab.distributed.check import Check, check
 from memlab.distributed.gather import gather
-from memlab.distributed.launch import launch
+from memlab.distributed.launch import RankError, launch
 from memlab.distributed.table import RankDataError, RankRow, RankTable
 
-__all__ = ["Check", "RankDataError", "RankRow", "RankTable", "check", "gather", "launch"]
+__all__ = [
+    "Check",
+    "RankDataError",
+    "RankError",
+    "RankRow",
+    "RankTable",
+    "check",
+    "gather",
+    "launch",
+]

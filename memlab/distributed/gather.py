@@ -44,7 +44,7 @@ def gather(region: track | MemoryReport, *, dst: int = 0) -> RankTable | None:
         )
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not isinstance(dst, int) or not 0 <= dst < world:
+    if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
         raise ValueError(f"dst must be a rank from 0 to {world - 1}, got {dst!r}.")
     backend = str(dist.get_backend())
     on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"

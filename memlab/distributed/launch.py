@@ -22,6 +22,8 @@ import os
 import socket
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ import torch
 from memlab.distributed.table import RankTable
 
 BACKENDS = ("gloo", "nccl")
+#: This file's frames are left out of a rank's traceback: the user's code is what it shows.
+_HERE = __file__
 
 
 def _free_port() -> int:
@@ -78,12 +82,60 @@ def _worker(
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
-        value = fn(rank, world_size, *args)
-        if rank == 0:
-            Path(out).write_text(_encode(value))
+        try:
+            value = fn(rank, world_size, *args)
+            if rank == 0:
+                Path(out).write_text(_encode(value))
+        except BaseException as e:  # SystemExit too: the rank that stopped first is the cause
+            _record_failure(out, rank, e)
+            raise
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """A rank's ``fn`` raised: ``rank``, the error's type name and message, and the traceback
+    of the rank's own code (the error itself stayed in the rank's process)."""
+
+    def __init__(self, rank: int, world_size: int, kind: str, message: str, trace: str) -> None:
+        super().__init__(
+            f"rank {rank} of {world_size} raised {kind}: {message}\n"
+            f"(the other ranks were stopped; rank {rank}'s traceback:)\n{trace}"
+        )
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+def _record_failure(out: str, rank: int, e: BaseException) -> None:
+    """What ``fn`` raised on this rank, as JSON beside rank 0's value, stamped with the time:
+    the first rank to fail is the cause, the others' errors (a collective cut short) follow."""
+    tb = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in tb if f.filename != _HERE] or tb
+    record = {
+        "rank": rank,
+        "time": time.time_ns(),
+        "kind": type(e).__name__,
+        "message": str(e),
+        "trace": "".join(traceback.format_list(mine)),
+    }
+    with contextlib.suppress(OSError):
+        Path(f"{out}.rank{rank}.error").write_text(json.dumps(record))
+
+
+def _first_failure(out: str, world_size: int, stopped: Exception) -> RankError | None:
+    """The error of the rank that failed first, or None where the first to stop was a rank
+    that exited without one (killed, ``os._exit``): torch's own error says which."""
+    found = []
+    for r in range(world_size):
+        with contextlib.suppress(OSError, ValueError):
+            found.append(json.loads(Path(f"{out}.rank{r}.error").read_text()))
+    exited = getattr(stopped, "exit_code", None) is not None
+    if not found or (
+        exited and getattr(stopped, "error_index", None) not in {d["rank"] for d in found}
+    ):
+        return None
+    d = min(found, key=lambda d: (d["time"], d["rank"]))
+    return RankError(d["rank"], world_size, d["kind"], d["message"], d["trace"])
 
 
 def _under_torchrun() -> bool:
@@ -110,6 +162,20 @@ def launch(
         return _here(fn, backend, args)
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be a whole number ≥ 1, got {world_size!r}.")
+    gpus = torch.cuda.device_count() if backend == "nccl" else world_size
+    if gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' gives each rank a GPU of its own: world_size={world_size} needs "
+            f"{world_size} and this machine has {gpus}: pass "
+            + (f"world_size={gpus} or less, or " if gpus else "")
+            + "backend='gloo' to run the ranks on the CPU."
+        )
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(
+            f"args must be a tuple of fn's further arguments (fn(rank, world_size, *args)), "
+            f"got {type(args).__name__} {args!r:.60}: e.g. args=({args!r:.40},)."
+        )
+    args = tuple(args)
     method = start_method or _start_method(fn)
     if method not in multiprocessing.get_all_start_methods():
         raise ValueError(
@@ -122,12 +188,18 @@ def launch(
         out = str(Path(tmp) / "rank0.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
         with _main_described():
-            start_processes(
-                _worker,
-                args=(fn, world_size, backend, init, out, tuple(args)),
-                nprocs=world_size,
-                start_method=method,
-            )
+            try:
+                start_processes(
+                    _worker,
+                    args=(fn, world_size, backend, init, out, args),
+                    nprocs=world_size,
+                    start_method=method,
+                )
+            except Exception as e:
+                failure = _first_failure(out, world_size, e)
+                if failure is None:  # not fn's error (a rank killed, the group not formed)
+                    raise
+                raise failure from None  # its message holds the rank's own traceback
         return _decode(Path(out).read_text())
 
 

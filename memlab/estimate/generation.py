@@ -71,24 +71,37 @@ def fit_generation(
     card = find_gpu(gpu)
     if card is None:
         raise WhatIfError("fit_generation needs a GPU to fit on: pass gpu='L4', a GPU or bytes.")
-    config = config_of(config, settings).with_(mode="generate", device=None)
+    if "batch_size" in settings:
+        raise WhatIfError(
+            f"fit_generation searches the batch itself: pass batch={settings['batch_size']!r} "
+            "(the longest context at that batch) or context=N (the largest batch), not "
+            "batch_size."
+        )
+    config = _generating(config_of(config, settings))
     new = config.new_tokens
-    if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+    if cache_dtype is not None and (
+        not isinstance(cache_dtype, str) or cache_dtype not in CACHE_DTYPES
+    ):
         raise WhatIfError(
             f"cache_dtype must be one of {', '.join(map(repr, CACHE_DTYPES))}, not {cache_dtype!r}."
+        )
+    for name, value, least in (("context", context, new + 1), ("batch", batch, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise WhatIfError(f"{name} must be a whole number, not {value!r}.")
+        if value is not None and value < least:
+            why = "leaves no prompt" if name == "context" else "has no sequence"
+            raise WhatIfError(f"{name}={value} {why}: pass at least {least} (new_tokens is {new}).")
+    if input_fn is not None and not callable(input_fn):
+        raise WhatIfError(
+            f"input_fn got {type(input_fn).__name__} {input_fn!r:.60}: pass a function "
+            "input_fn(batch, length) that returns the prompt's token ids, or None for zeros."
         )
     model = build_on_meta(model_fn)
     model_config = getattr(model, "config", None)
     if cache_dtype is not None:
         cache_shape(model_config)  # a WhatIfError where the cache's shape is unknown
     longest = _positions(model_config)
-    for name, value, least in (("context", context, new + 1), ("batch", batch, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise WhatIfError(f"{name} must be a whole number, not {value!r}.")
-        if value is not None and value < least:
-            raise WhatIfError(
-                f"{name}={value} leaves no prompt: pass at least {least} (new_tokens is {new})."
-            )
+    _check_positions(context, new, longest, longest != MAX_CONTEXT)
     prompt_fn = input_fn if input_fn is not None else _zeros
     # the allocator model must not stop at the card's memory: a cheaper cache may still fit
     roomy = dataclasses.replace(card, memory=1 << 60)
@@ -135,6 +148,38 @@ def fit_generation(
         estimates=len(tried),
         config=config.with_(batch_size=max(1, key[0])).describe(),
     )
+
+
+def _generating(config: RunConfig) -> RunConfig:
+    """``config`` as a generation, or an error naming the training setting that stops it."""
+    try:
+        return config.with_(mode="generate", device=None)
+    except WhatIfError as e:
+        for name in ("retention", "world_size", "sharding", "offload"):
+            value, default = getattr(config, name), RunConfig.__dataclass_fields__[name].default
+            if value != default:
+                got, plain = (str(v) if isinstance(v, str) else v for v in (value, default))
+                raise WhatIfError(
+                    f"fit_generation estimates a generation (mode='generate'), and {name}="
+                    f"{got!r} is a setting of a training step: leave it out, or pass "
+                    f"{name}={plain!r}."
+                ) from e
+        raise
+
+
+def _check_positions(context: int | None, new: int, longest: int, named: bool) -> None:
+    """A context the model's position table holds, and room in it for a prompt."""
+    where = "the model's config" if named else "fit_generation's search"
+    if context is not None and context > longest:
+        raise WhatIfError(
+            f"context={context:,} is longer than {where} allows ({longest:,} positions): pass "
+            f"context={longest:,} or less."
+        )
+    if longest - new < 1:
+        raise WhatIfError(
+            f"new_tokens={new:,} leaves no prompt in {where}'s {longest:,} positions: pass "
+            f"new_tokens={longest - 1:,} or less."
+        )
 
 
 def _zeros(batch: int, length: int) -> torch.Tensor:

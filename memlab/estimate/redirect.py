@@ -86,6 +86,17 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
     buffer, in module order (a tied weight once), and none of what the construction allocated
     and freed on the way. What is not a Module is returned as it is (the step says what is
     wrong with it)."""
+    if isinstance(model_fn, torch.nn.Module):
+        what = type(model_fn).__name__
+        raise WhatIfError(
+            f"model_fn got a model already built ({what}): pass a function that builds it, "
+            f"e.g. model_fn=lambda: {what}(...), so that it is built on the meta device."
+        )
+    if not callable(model_fn):
+        raise WhatIfError(
+            f"model_fn got {type(model_fn).__name__} {model_fn!r:.60}: pass a function that "
+            "builds the model, e.g. model_fn=lambda: MyModel(config)."
+        )
     with _torch.disable_current_modes(), redirected():
         model = model_fn()
     if not isinstance(model, torch.nn.Module):

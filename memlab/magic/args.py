@@ -93,6 +93,7 @@ HELP = PARSER.format_help()
 #: For splitting ``%gpumem [options] STATEMENT``: the options with a value and the flags.
 _VALUED = {s for a in PARSER._actions for s in a.option_strings if a.nargs != 0}
 _FLAGS = {s for a in PARSER._actions for s in a.option_strings if a.nargs == 0}
+_ALL = _VALUED | _FLAGS
 _TOKEN = re.compile(r"""\s*("[^"]*"|'[^']*'|\S+)""")
 
 
@@ -147,8 +148,21 @@ def parse_cell_line(line: str) -> Options:
     """The ``%%gpumem`` line: options, then free words that make the label. (Cached: the same
     line comes back cell after cell; a bad line raises every time.)"""
     tokens = [_unquote(t) for t in _TOKEN.findall(line)]
-    ns = PARSER.parse_args(tokens)
+    ns = PARSER.parse_args(_joined(tokens))
     return _finish(ns, ns.words)
+
+
+def _joined(tokens: list[str]) -> list[str]:
+    """An option's value that starts with "-" (``--gpu -1GiB``) joined to its option, which
+    argparse would otherwise read as an option of its own, so its check says what it got."""
+    out: list[str] = []
+    for tok in tokens:
+        dashed = tok.startswith("-") and not tok.startswith("--")
+        if out and out[-1] in _VALUED and dashed and tok.split("=")[0] not in _ALL:
+            option = out.pop()
+            tok = f"{option}={tok}" if option.startswith("--") else option + tok
+        out.append(tok)
+    return out
 
 
 def parse_statement_line(line: str) -> tuple[Options, str]:
@@ -173,7 +187,7 @@ def parse_statement_line(line: str) -> tuple[Options, str]:
     statement = line[pos:].strip()
     if expecting_value:
         raise UsageError(f"%gpumem: option {tokens[-1]} needs a value.")
-    ns = PARSER.parse_args(tokens)
+    ns = PARSER.parse_args(_joined(tokens))
     if not statement:
         raise UsageError(
             "%gpumem needs a statement to measure, e.g. `%gpumem y = model(x)`; "

@@ -46,10 +46,13 @@ class Chart:
         from bokeh.resources import Resources
 
         js = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
+        # the JSON holds the user's strings (file names, functions): "</script>" in one would
+        # end this script early, so every "<" is written as JSON's own escape for it
+        item = self.item.replace("<", "\\u003c")
         # Wait until the output is in the page: a notebook front end may run the script before
         # it attaches the output's element.
         embed = (
-            f"(function(){{const item={self.item};let tries=0;function go(){{"
+            f"(function(){{const item={item};let tries=0;function go(){{"
             f"const el=document.getElementById({json.dumps(target)});"
             "if(el&&el.isConnected&&window.Bokeh){Bokeh.embed.embed_item(item,el);}"
             "else if(tries++<200){setTimeout(go,50);}}go();})();"

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
 from memlab.snapshot.stream import stream
 from memlab.snapshot.trace import Trace, busiest, choose, source_line
+from memlab.snapshot.unpickle import SnapshotError
 
 
 def load_snapshot(
@@ -40,16 +42,40 @@ def load_snapshot(
 
     def segments_read(segments: list[dict[str, Any]]) -> None:
         if first_view is not None:
-            first_view(first_look(segments, name, device))
+            with _layout_checked(name):
+                view = first_look(segments, name, device)
+            first_view(view)
 
     data, collectors, frames = stream(path, on_segments=segments_read, progress=progress)
     dev = choose(device, [collectors[i].events for i in range(len(collectors))])
-    collector = collectors.get(dev) or Collector(frames)
-    trace = collector.finish(data["segments"], dev)
-    state = (
-        None if "cancelled_at" not in data else f"cancelled at {fmt_bytes(data['cancelled_at'])}"
-    )
-    return _report(data, name, dev, trace, collector.events, frames.line, state)
+    with _layout_checked(name):
+        devices = {int(s.get("device", 0)) for s in data["segments"]}
+    if device is not None and not collectors and device not in devices:
+        raise ValueError(  # no trace: the segments say which devices the snapshot holds
+            f"device={device!r}: the snapshot has no trace and holds segments of device(s) "
+            f"{', '.join(map(str, sorted(devices))) or 'none'}; pass one of those, or None."
+        )
+    with _layout_checked(name):
+        collector = collectors.get(dev) or Collector(frames)
+        trace = collector.finish(data["segments"], dev)
+        cancelled = data.get("cancelled_at")
+        state = None if cancelled is None else f"cancelled at {fmt_bytes(cancelled)}"
+        return _report(data, name, dev, trace, collector.events, frames.line, state)
+
+
+@contextlib.contextmanager
+def _layout_checked(name: str) -> Iterator[None]:
+    """A pickle of plain data whose fields are not torch's (a number where a list of segments
+    goes, a string for a size) is a `SnapshotError` naming the file, not a bare TypeError."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        raise SnapshotError(
+            f"{name} is not laid out as a memory snapshot ({type(e).__name__}: {e}): pass a "
+            "file written by torch.cuda.memory._dump_snapshot."
+        ) from e
 
 
 def first_look(segments: list[dict[str, Any]], name: str, device: int | None = None) -> Snapshot:
@@ -75,11 +101,17 @@ def _check_callable(f: object, name: str) -> None:
 
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
     """A `Snapshot` from a snapshot dict (``torch.cuda.memory._snapshot()``)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"data={data!r:.60} is a {type(data).__name__}: pass the dict that "
+            "torch.cuda.memory._snapshot() returns."
+        )
     dev, events = busiest(data, device)
-    collector = Collector(Frames())
-    collector.add(events)
-    trace = collector.finish(data.get("segments", ()), dev)
-    return _report(data, name, dev, trace, collector.events, source_line)
+    with _layout_checked(str(name)):
+        collector = Collector(Frames())
+        collector.add(events)
+        trace = collector.finish(data.get("segments", ()), dev)
+        return _report(data, name, dev, trace, collector.events, source_line)
 
 
 def _report(

@@ -108,7 +108,8 @@ def choose(device: int | None, counts: Sequence[int]) -> int:
     """The device asked for, checked against the snapshot's, or the one with most events."""
     if device is None:
         return max(range(len(counts)), key=counts.__getitem__, default=0)
-    if not isinstance(device, int) or device < 0 or (counts and device >= len(counts)):
+    whole = isinstance(device, int) and not isinstance(device, bool)
+    if not whole or device < 0 or (counts and device >= len(counts)):
         raise ValueError(
             f"device={device!r}: the snapshot has traces for devices 0 to {len(counts) - 1}; "
             "pass one of those, or None for the busiest."

@@ -103,6 +103,11 @@ def check_path(path: str | Path) -> Path:
             "torch.cuda.memory._dump_snapshot, as a str or pathlib.Path."
         )
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(
+            f"path={str(path)!r} is a directory: pass the path of the snapshot file in it, "
+            "written by torch.cuda.memory._dump_snapshot(path)."
+        )
     if not p.is_file():
         raise FileNotFoundError(
             f"path={str(path)!r}: no such file. Pass the path of a file written by "
