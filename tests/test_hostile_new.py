@@ -428,32 +428,16 @@ def test_run_config_names_the_field_the_value_and_what_to_pass(
         RunConfig(**fields)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memlab/step/config.py compares budget with 0 before checking its type: a bare "
-    "TypeError that names no field (budget='1GiB'); owned by another engineer",
-)
 def test_run_config_budget_of_the_wrong_type_is_named() -> None:
     with pytest.raises(WhatIfError, match=r"budget"):
         RunConfig(budget="1GiB")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memlab/step/config.py accepts optimizer_state_bits=8.0 (8.0 in (32, 8)); owned by "
-    "another engineer",
-)
 def test_run_config_optimizer_state_bits_must_be_a_whole_number() -> None:
     with pytest.raises(WhatIfError, match=r"optimizer_state_bits must be 32 or 8, not 8\.0"):
         RunConfig(optimizer_state_bits=8.0)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memlab/step/config.py accepts the optimizer levers (optimizer_in_backward, "
-    "optimizer_state_bits=8) on a step with no optimizer (mode='no_grad', 'generate') and "
-    "ignores them silently; owned by another engineer",
-)
 @pytest.mark.parametrize(
     "fields",
     [

@@ -115,9 +115,14 @@ class Ledger:
         ref = StorageRef(storage, self._dead.append)
         ref.key = key
         entry = Entry(next(self._serials), ref, nbytes, device)
+        totals = self._totals
+        if device not in totals:
+            totals[device] = 0
+        # From here to the total, no call: Python delivers Ctrl-C at calls and loops, so an
+        # interrupt cannot leave the entry known (its free counted) without its bytes counted.
         self._entries[key] = entry
         self._by_serial[entry.serial] = entry
-        self._totals[device] = self._totals.get(device, 0) + nbytes
+        totals[device] += nbytes
         return entry
 
     def existing(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:

@@ -25,6 +25,7 @@ from memlab.step.options import (
     Sharding,
     check_compile,
     check_generation,
+    check_levers,
     compile_of,
 )
 
@@ -150,10 +151,10 @@ class RunConfig:
                 f"batch_size {self.batch_size} does not split into {self.accumulation} equal "
                 "micro-batches: choose a batch size divisible by the accumulation steps."
             )
-        if self.budget is not None and self.budget <= 0:
+        if self.budget is not None and (type(self.budget) is not int or self.budget <= 0):
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
         object.__setattr__(self, "compile", compile_of(self.compile, WhatIfError))
-        _check_levers(self)
+        check_levers(self, WhatIfError)
         check_compile(self, WhatIfError)
         if self.retention != Retention.OFF and self.mode != Mode.TRAIN:
             raise WhatIfError("the retention experiment runs with grad enabled: use mode='train'.")
@@ -254,42 +255,4 @@ def _check_ranks(c: RunConfig) -> None:
             f"world_size={n} divides a training step's state among ranks, and {what} is not "
             "one: use mode='train' (and retention='off'), or world_size=1 (a forward alone is "
             "the same on every rank)."
-        )
-
-
-def _check_levers(c: RunConfig) -> None:
-    """The lever fields (`memlab.step.levers`): each value, and what it cannot go with."""
-    for name in LEVER_FLAGS:
-        if not isinstance(getattr(c, name), bool):
-            raise WhatIfError(f"{name} must be True or False, not {getattr(c, name)!r}.")
-    if c.optimizer_state_bits not in (32, 8) or isinstance(c.optimizer_state_bits, bool):
-        raise WhatIfError(f"optimizer_state_bits must be 32 or 8, not {c.optimizer_state_bits!r}.")
-    if c.optimizer_state_bits == 8 and c.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
-        raise WhatIfError(
-            f"optimizer_state_bits=8 is bitsandbytes' Adam8bit / AdamW8bit layout: use "
-            f"optimizer 'adam' or 'adamw', not {str(c.optimizer)!r}."
-        )
-    if c.optimizer_in_backward and c.mode == Mode.TRAIN and (c.accumulation > 1 or c.amp == "fp16"):
-        raise WhatIfError(
-            "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
-            "it cannot accumulate micro-batches or unscale fp16 gradients first; use "
-            "accumulation=1 and amp 'off' or 'bf16'."
-        )
-    if str(c.offload) in ("optimizer", "both") and (
-        c.optimizer_in_backward or c.optimizer_state_bits == 8
-    ):
-        raise WhatIfError(
-            f"offload={str(c.offload)!r} steps 32-bit optimizer state on the host, after the "
-            "backward: it cannot go with optimizer_in_backward or optimizer_state_bits=8; pass "
-            "offload='activations' or 'off', or leave those levers off."
-        )
-    if c.checkpoint_saves not in ("nothing", "matmuls"):
-        raise WhatIfError(
-            f"checkpoint_saves must be 'nothing' (recompute all) or 'matmuls', not "
-            f"{c.checkpoint_saves!r}."
-        )
-    if c.checkpoint_saves != "nothing" and c.checkpoint == "off":
-        raise WhatIfError(
-            "checkpoint_saves chooses what checkpointed blocks keep: also pass "
-            "checkpoint='auto' or the module paths to checkpoint."
         )

@@ -158,3 +158,50 @@ def check_generation(c: Any, error: type[Exception]) -> None:
 AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, Optimizer))
 #: Kept for one release: the 16-bit type of each AMP setting (use ``Amp(x).dtype``).
 AMP_DTYPES = {a.value: a.dtype for a in Amp if a.dtype is not None}
+
+
+def check_levers(c: Any, error: type[Exception]) -> None:
+    """The lever fields (`memlab.step.levers`): each value, and what it cannot go with."""
+    for name in LEVER_FLAGS:
+        if not isinstance(getattr(c, name), bool):
+            raise error(f"{name} must be True or False, not {getattr(c, name)!r}.")
+    if type(c.optimizer_state_bits) is not int or c.optimizer_state_bits not in (32, 8):
+        raise error(f"optimizer_state_bits must be 32 or 8, not {c.optimizer_state_bits!r}.")
+    for name, on in (
+        ("optimizer_in_backward", c.optimizer_in_backward),
+        ("optimizer_state_bits=8", c.optimizer_state_bits == 8),
+    ):
+        if on and c.mode != Mode.TRAIN:
+            raise error(
+                f"{name} changes the optimizer, and mode={str(c.mode)!r} has no optimizer step: "
+                "use mode='train', or leave it off."
+            )
+    if c.optimizer_state_bits == 8 and c.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
+        raise error(
+            f"optimizer_state_bits=8 is bitsandbytes' Adam8bit / AdamW8bit layout: use "
+            f"optimizer 'adam' or 'adamw', not {str(c.optimizer)!r}."
+        )
+    if c.optimizer_in_backward and c.mode == Mode.TRAIN and (c.accumulation > 1 or c.amp == "fp16"):
+        raise error(
+            "optimizer_in_backward steps each parameter as soon as its gradient is ready: "
+            "it cannot accumulate micro-batches or unscale fp16 gradients first; use "
+            "accumulation=1 and amp 'off' or 'bf16'."
+        )
+    if str(c.offload) in ("optimizer", "both") and (
+        c.optimizer_in_backward or c.optimizer_state_bits == 8
+    ):
+        raise error(
+            f"offload={str(c.offload)!r} steps 32-bit optimizer state on the host, after the "
+            "backward: it cannot go with optimizer_in_backward or optimizer_state_bits=8; pass "
+            "offload='activations' or 'off', or leave those levers off."
+        )
+    if c.checkpoint_saves not in ("nothing", "matmuls"):
+        raise error(
+            f"checkpoint_saves must be 'nothing' (recompute all) or 'matmuls', not "
+            f"{c.checkpoint_saves!r}."
+        )
+    if c.checkpoint_saves != "nothing" and c.checkpoint == "off":
+        raise error(
+            "checkpoint_saves chooses what checkpointed blocks keep: also pass "
+            "checkpoint='auto' or the module paths to checkpoint."
+        )
