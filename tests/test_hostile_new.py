@@ -528,14 +528,11 @@ def test_under_a_users_profiler_it_refuses_and_leaves_the_profiler_running() -> 
     assert any(e.name == "aten::sum" for e in prof.events())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memlab/core/allocations.py: a profiler the user starts inside the block takes the "
-    "record over and the record reports no allocation at all, silently; owned by another "
-    "engineer",
-)
 def test_a_profiler_started_inside_the_block_is_not_a_silent_empty_record() -> None:
-    with AllocationRecord() as rec, torch.profiler.profile():
-        kept = torch.empty(1000)
-    assert rec.result is not None
-    assert rec.result.net == kept.untyped_storage().nbytes()
+    rec = AllocationRecord()
+    ended = "ended by a PyTorch profiler started inside it"
+    with pytest.raises(RuntimeError, match=ended), rec, torch.profiler.profile():
+        torch.empty(1000)
+    assert rec.result is None and not torch.autograd._profiler_enabled()
+    with pytest.raises(KeyError), rec.__class__(), torch.profiler.profile():
+        raise KeyError("the block's own error is the one that reaches the caller")

@@ -85,7 +85,14 @@ def start_allocation_record() -> None:
 
 def stop_allocation_record() -> list[tuple[int, int, int]]:
     """Stops the record started above and returns its allocations in order: (time in ns, bytes
-    (negative for a free), address). Checked 2.4.1, 2.11, 2.13."""
+    (negative for a free), address). Raises RuntimeError where a profiler started inside the
+    record has ended it (the record then holds nothing). Checked 2.4.1, 2.11, 2.13."""
+    if not _autograd._profiler_enabled():
+        raise RuntimeError(
+            "the allocation record was ended by a PyTorch profiler started inside it, so it "
+            "holds no allocation: profile outside the measured code, or measure without the "
+            "profiler"
+        )
     with _quiet_stderr():
         result = _autograd._disable_profiler()
     events: list[tuple[int, int, int]] = []

@@ -71,4 +71,8 @@ class AllocationRecord:
     ) -> None:
         if self._on:
             self._on = False
-            self.result = Allocations(tuple(stop_allocation_record()))
+            try:
+                self.result = Allocations(tuple(stop_allocation_record()))
+            except RuntimeError:
+                if exc_type is None:  # never in place of the block's own exception
+                    raise
