@@ -22,6 +22,7 @@ from common import emit, header
 
 import memlab
 from memlab.core._torch import TorchDispatchMode
+from memlab.core.allocations import AllocationRecord
 
 
 class _Nothing(TorchDispatchMode):
@@ -78,10 +79,12 @@ def main() -> None:
     }
     if tracker is not None:
         ways["MemTracker"] = tracker
-    # PyTorch's own record of CPU allocations, kept in C++: the profiler's memory events
+    # PyTorch's own record of CPU allocations, kept in C++: the profiler's memory events, with
+    # its op records (the public profiler) and without them (memlab's AllocationRecord)
     ways["torch.profiler(profile_memory=True)"] = lambda: torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )
+    ways["AllocationRecord (the profiler's memory events alone)"] = AllocationRecord
     with _Nothing():
         before = _Nothing.ops
         step()
