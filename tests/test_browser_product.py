@@ -240,6 +240,20 @@ def unreadable(items: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+#: A memlab frame's own words: its text without the code set in <code> (the user's cell lines,
+#: which have whatever brackets the user wrote).
+PROSE_JS = """
+frames => frames.map(f => {
+  const copy = f.cloneNode(true);
+  copy.querySelectorAll("code").forEach(c => c.replaceWith("…"));
+  document.body.appendChild(copy);
+  const text = copy.innerText;
+  copy.remove();
+  return text;
+})
+"""
+
+
 def check_frames_readable(root: Any) -> list[str]:
     """Fails on a header or note of a memlab frame drawn too faint to read; returns what fell
     short among the table's figures (reported, not failed: some are coloured on purpose)."""
@@ -254,7 +268,7 @@ def check_frames_readable(root: Any) -> list[str]:
     nested = re.compile(r"\([^()]*\(")  # "(a (b))": brackets inside brackets
     MEASURED.setdefault("nested brackets", []).extend(
         line
-        for text in frames.all_inner_texts()
+        for text in frames.evaluate_all(PROSE_JS)
         for line in text.splitlines()
         if nested.search(line)
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from memlab.reports.frame import (
     CELL,
+    LEFT,
     NAME,
     code_cell,
     heading,
@@ -39,11 +40,13 @@ class LiveTensor:
     line: int | None = None
     source: str = ""
 
-    def where(self) -> str:
+    def where(self, html: bool = False) -> str:
+        """Where it was made; in HTML escaped, the cell's code set as code."""
         if self.line is None:
-            return self.source
+            return escape(self.source) if html else self.source
         code = self.source.strip()
-        return f"line {self.line}: {code if len(code) <= 60 else code[:59] + '…'}"
+        code = code if len(code) <= 60 else code[:59] + "…"
+        return f"line {self.line}: " + (f"<code>{escape(code)}</code>" if html else code)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -187,7 +190,7 @@ class OOMExplanation(Result):
                 num_cell(t.nbytes)
                 + text_cell(t.category)
                 + text_cell(", ".join(t.names))
-                + text_cell(t.where())
+                + f'<td style="{LEFT}">{t.where(html=True)}</td>'
                 for t in self.biggest
             ]
             parts.append(
