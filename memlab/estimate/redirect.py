@@ -25,23 +25,30 @@ META = torch.device("meta")
 
 class Redirect(TorchFunctionMode):
     """Sends tensors the user's code puts on a GPU (or the CPU) to ``target`` instead, so code
-    written for CUDA runs unchanged on a machine without one."""
+    written for CUDA runs unchanged on a machine without one. With ``keep_cpu`` (a model's
+    construction), a factory told ``device="cpu"`` stays there: libraries build values to read
+    that way under a meta default device (transformers' drop-path rates: ``torch.linspace(...,
+    device="cpu").tolist()``)."""
 
-    def __init__(self, target: torch.device) -> None:
+    def __init__(self, target: torch.device, keep_cpu: bool = False) -> None:
         super().__init__()
-        self.target = target
+        self.target, self.keep_cpu = target, keep_cpu
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if "device" in kwargs and kwargs["device"] is not None:
+        if kwargs.get("device") is not None and not (self.keep_cpu and _is_cpu(kwargs["device"])):
             kwargs["device"] = self.target
         if func in (torch.Tensor.cuda, torch.Tensor.cpu):
             return args[0].to(self.target)
         if func is torch.Tensor.to:
             args = tuple(self.target if _is_device(a) else a for a in args)
         return func(*args, **kwargs)
+
+
+def _is_cpu(value: Any) -> bool:
+    return _is_device(value) and torch.device(value).type == "cpu"
 
 
 def _is_device(value: Any) -> bool:
@@ -72,11 +79,12 @@ def meta_device_module() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def redirected(device: str | torch.device = META) -> Iterator[None]:
+def redirected(device: str | torch.device = META, keep_cpu: bool = False) -> Iterator[None]:
     """Within the block, tensors are created on ``device`` (default ``meta``), also where the
-    code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"``."""
+    code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"`` (with
+    ``keep_cpu``, not ``device="cpu"``: `Redirect`)."""
     target = torch.device(device)
-    with torch.device(target), Redirect(target):
+    with torch.device(target), Redirect(target, keep_cpu):
         yield
 
 
@@ -97,7 +105,7 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
             f"model_fn got {type(model_fn).__name__} {model_fn!r:.60}: pass a function that "
             "builds the model, e.g. model_fn=lambda: MyModel(config)."
         )
-    with _torch.disable_current_modes(), redirected():
+    with _torch.disable_current_modes(), redirected(keep_cpu=True):
         model = model_fn()
     if not isinstance(model, torch.nn.Module):
         return model
@@ -117,7 +125,7 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
         if id(t) in moved:
             new = moved[id(t)][1]()
             return t if new is None else new  # a parameter holds its new storage itself
-        new = torch.empty_like(t)
+        new = torch.empty_like(t, device=META)  # a buffer made on the CPU goes too
         moved[id(t)] = (t, weakref.ref(new))  # t kept: its id stays its own
         return new
 
@@ -125,13 +133,35 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
     return model
 
 
-#: Library functions that read a tensor's values only to spot an unusual input, each with the
-#: answer they give for an ordinary one and what that assumes. On ``meta`` they would stop the
+def _none(original: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return None
+
+
+def _unpadded(original: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """The library's own answer for the same call without a padding mask (no token padded)."""
+    if "padding_mask" in kw:
+        return original(*args, **{**kw, "padding_mask": None})
+    return original(None, *args[1:], **kw)
+
+
+#: Library functions that read a tensor's values only to spot an unusual input, each with how
+#: it answers for an ordinary one and what that assumes. On ``meta`` they would stop the
 #: step; the libraries themselves skip them the same way while tracing (``torch.compile``).
-_VALUE_CHECKS = (
+_VALUE_CHECKS: tuple[tuple[str, str, Callable[..., Any], str], ...] = (
     # transformers >= 4.53: called when a model runs without a KV cache (training, or under
     # gradient checkpointing) and with position ids; None means "the sequences are not packed"
-    ("transformers.masking_utils", "find_packed_sequence_indices", "sequences are not packed"),
+    (
+        "transformers.masking_utils",
+        "find_packed_sequence_indices",
+        _none,
+        "sequences are not packed",
+    ),
+    # transformers >= 4.53: whether SDPA can skip the attention mask (is_causal instead), read
+    # from the 2D attention mask's values: any model given an attention_mask (BART, T5, ...)
+    *(
+        ("transformers.masking_utils", name, _unpadded, "the attention mask pads no token")
+        for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    ),
 )
 
 
@@ -143,7 +173,7 @@ class OrdinaryInputs:
     def __init__(self, assumed: list[str]) -> None:
         self.assumed = assumed
         self._stack = contextlib.ExitStack()
-        self._done: set[str] = set()
+        self._done: set[tuple[str, str]] = set()
 
     def __enter__(self) -> OrdinaryInputs:
         self.refresh()
@@ -153,9 +183,9 @@ class OrdinaryInputs:
         self._stack.close()  # each patch undone, the last first
 
     def refresh(self) -> None:
-        for module_name, name, assumption in _VALUE_CHECKS:
+        for module_name, name, answer, assumption in _VALUE_CHECKS:
             library = module_name.partition(".")[0]
-            if module_name in self._done or library not in sys.modules:
+            if (module_name, name) in self._done or library not in sys.modules:
                 continue
             module = sys.modules.get(module_name)
             if module is None:  # the library is imported, but not this part of it yet
@@ -164,16 +194,18 @@ class OrdinaryInputs:
             original = getattr(module, name, None)
             if module is None or not callable(original):
                 continue
-            self._done.add(module_name)
-            check = self._answering(original, assumption)
+            self._done.add((module_name, name))
+            check = self._answering(original, answer, assumption)
             self._stack.enter_context(_torch.patched([(module, name, check)]))
 
-    def _answering(self, original: Callable[..., Any], assumption: str) -> Callable[..., Any]:
+    def _answering(
+        self, original: Callable[..., Any], answer: Callable[..., Any], assumption: str
+    ) -> Callable[..., Any]:
         def check(*args: Any, **kw: Any) -> Any:
             if any(isinstance(v, torch.Tensor) and v.is_meta for v in [*args, *kw.values()]):
                 if assumption not in self.assumed:
                     self.assumed.append(assumption)
-                return None
+                return answer(original, args, kw)
             return original(*args, **kw)
 
         return check

@@ -127,8 +127,7 @@ def checkpointed(
         chosen = [f"{len(paths)} blocks ({', '.join(shown)})"] if paths else []
         notes.append("checkpoint='auto' chose " + "; ".join(chosen + [r.describe() for r in runs]))
     wrapped: list[nn.Module] = []
-    config = getattr(model, "config", None)
-    cache = getattr(config, "use_cache", None)
+    caching = _caching_configs(model)
     try:
         for p in paths:
             module = named[p]
@@ -138,15 +137,25 @@ def checkpointed(
             sequential = named[r.path]
             sequential.forward = _in_runs(sequential, r, extra)
             wrapped.append(sequential)
-        if cache:
-            config.use_cache = False  # type: ignore[union-attr]
+        for config in caching:
+            config.use_cache = False
+        if caching:
             notes.append("use_cache off while checkpointing, as Hugging Face does in training")
         yield notes
     finally:
-        if cache:
-            config.use_cache = cache  # type: ignore[union-attr]
+        for config in caching:
+            config.use_cache = True
         for module in wrapped:
             del module.forward  # the class's forward shows through again
+
+
+def _caching_configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs with ``use_cache`` on, the model's and its modules' own (an
+    encoder-decoder's decoder stack holds a copy of it: T5's; a multimodal model's language
+    model its ``text_config``): a cache filled in the forward and read again in the
+    recomputation would save different tensors."""
+    found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    return [c for c in found.values() if getattr(c, "use_cache", None) is True]
 
 
 def _checkpointing(original: Callable[..., Any], extra: dict[str, Any]) -> Callable[..., Any]:

@@ -21,6 +21,7 @@ from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
 from memlab.step.kvcache import cache_shape, cache_tensors, kv_cache_bytes, static_cache
 from memlab.step.model import call, check_device
+from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
 from memlab.step.user import UserStep, refused_arguments, tensors_in
 
 #: Their home is `memlab.step.kvcache`; kept importable from here.
@@ -65,6 +66,8 @@ def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unsta
 def _hugging_face(
     model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage, cache_name: str
 ) -> list[Any]:
+    if is_encoder_decoder(model):  # T5, BART, Whisper: the encoder once, then the decoder
+        return encoder_decoder(model, prompt, config, mark, stage, cache_name)
     kwargs = dict(prompt) if isinstance(prompt, Mapping) else {"input_ids": prompt}
     kwargs.pop("labels", None)  # a loss is not part of generating
     if config.logits == "last" and _takes(model, "logits_to_keep"):

@@ -20,11 +20,16 @@ from memlab.step.config import RunConfig, WhatIfError
 
 
 def cache_shape(c: Any) -> tuple[int, int, int]:
-    """(layers, key/value heads, head size) from a Hugging Face model config."""
-    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(c, "num_attention_heads", "n_head")
+    """(layers, key/value heads, head size) from a Hugging Face model config; an encoder-
+    decoder's are its decoder's (BART's, Whisper's ``decoder_layers``, T5's ``d_kv``)."""
+    two = ("decoder_layers", "num_decoder_layers") if getattr(c, "is_encoder_decoder", 0) else ()
+    layers = _first(c, *two, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(
+        c, *(("decoder_attention_heads",) if two else ()), "num_attention_heads", "n_head"
+    )
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or _first(c, "hidden_size", "n_embd") // heads
+    head_dim = getattr(c, "head_dim", None) or getattr(c, "d_kv", None)
+    head_dim = head_dim or _first(c, "hidden_size", "n_embd") // heads
     return layers, kv_heads, head_dim
 
 
@@ -54,6 +59,10 @@ def kv_cache_bytes(
         tokens if w is None or not sliding else min(w, tokens) for w in windows(model_config)
     )
     return 2 * kv_heads * head_dim * kept * batch * size
+
+
+def _two_caches(cache: Any) -> bool:
+    return hasattr(cache, "self_attention_cache") and hasattr(cache, "cross_attention_cache")
 
 
 def _first(config: Any, *names: str) -> int:
@@ -108,8 +117,11 @@ def cache_note(model: Any, config: RunConfig, cache: Any, tokens: int) -> str:
     """What the finished cache holds per token (of the ``tokens`` the run read and made),
     beside the formula where the model's config gives its shape (a Hugging Face model). Keys
     and values may differ in type: under autocast, rotary embeddings leave the keys in float32
-    and the values in 16 bits."""
-    tensors = list({id(t): t for t in cache_tensors(cache)}.values())
+    and the values in 16 bits. An encoder-decoder's cross-attention keys and values (the
+    encoder's positions, made once) are said apart from the per-token figure."""
+    cross = getattr(cache, "cross_attention_cache", None) if _two_caches(cache) else None
+    across = {id(t): t for t in cache_tensors(cross)}
+    tensors = [t for i, t in {id(t): t for t in cache_tensors(cache)}.items() if i not in across]
     held = sum(t.untyped_storage().nbytes() for t in tensors)
     if not held or not tokens:
         return "KV cache: none found in what the model returned"
@@ -129,6 +141,9 @@ def cache_note(model: Any, config: RunConfig, cache: Any, tokens: int) -> str:
     formula = layers * kv_heads * head_dim * (k + v)
     shape = f"{layers} layers x {kv_heads} KV heads x {head_dim}"
     text += f" (formula: {shape} x {sizes} = {formula:,} B)"
+    if across:
+        made = sum(t.untyped_storage().nbytes() for t in across.values())
+        text += f"; cross-attention (the encoder's positions, made once): {made:,} B more"
     slid = [w for w in windows(model_config) if w is not None]
     if slid and k == v:
         want = kv_cache_bytes(model_config, tokens, config.batch_size, tensors[0].dtype)

@@ -1,0 +1,87 @@
+"""``mode="generate"`` for an encoder-decoder model (Hugging Face's T5, BART, Whisper, ...: a
+config with ``is_encoder_decoder``): the prefill encodes the input once and reads the decoder's
+first token(s); each decode step then reads one token, the encoder's output and the cache,
+as ``generate()`` does. The cache holds the decoder's self-attention keys and values (growing
+a token a step) and the cross-attention's (the encoder's length, made once)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from memlab.core.categories import Category
+from memlab.step.config import RunConfig, WhatIfError
+from memlab.step.kvcache import cache_tensors
+from memlab.step.user import tensors_in
+
+Mark = Callable[[torch.Tensor, Category], None]
+
+
+def is_encoder_decoder(model: Any) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def encoder_decoder(
+    model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Any, cache_name: str
+) -> list[Any]:
+    """Prefill and decode an encoder-decoder model; returns what stays alive after, as
+    `memlab.step.generate.generate` does: the tokens, the cache, and the decoder's tokens."""
+    main = getattr(model, "main_input_name", "input_ids")
+    kwargs = dict(prompt) if isinstance(prompt, Mapping) else {main: prompt}
+    kwargs.pop("labels", None)  # a loss is not part of generating
+    decoder_ids = kwargs.pop("decoder_input_ids", None)
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("decoder_")}
+    given = tensors_in(kwargs)
+    if not given:
+        raise WhatIfError(
+            f"mode='generate' with an encoder-decoder model ({type(model).__name__}) needs "
+            f"input_fn to return the encoder's input ({main}, or a mapping with it), not "
+            f"{type(prompt).__name__}."
+        )
+    if decoder_ids is None:  # generate() starts the decoder from its start token
+        start = _start_token(model)
+        decoder_ids = torch.full((given[0].shape[0], 1), start, device=given[0].device)
+    mask = kwargs.get("attention_mask")
+    with stage("prefill"):
+        out = model(**kwargs, decoder_input_ids=decoder_ids, use_cache=True)
+    encoded = (out.encoder_last_hidden_state,)  # kept for every step, as generate() keeps it
+    mark(encoded[0], Category.ACTIVATION)
+    tokens = []
+    for _ in range(config.new_tokens):
+        cache = _cache_of(out)
+        for t in cache_tensors(cache):
+            mark(t, Category.KV_CACHE)
+        token = out.logits[:, -1:].argmax(-1)
+        tokens.append(token)
+        del out  # the last step's logits go before the next step's come
+        with stage("decode"):
+            out = model(
+                encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token,
+                use_cache=True, **{cache_name: cache},
+            )  # fmt: skip
+    cache = _cache_of(out)
+    for t in cache_tensors(cache):
+        mark(t, Category.KV_CACHE)
+    return [tokens, cache, decoder_ids.shape[1] + config.new_tokens]
+
+
+def _start_token(model: Any) -> int:
+    for source in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        for name in ("decoder_start_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return 0
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else getattr(out, "past_key_values", None)
+    if cache is None:
+        raise WhatIfError(
+            "the encoder-decoder model returned no cache (past_key_values) with use_cache=True: "
+            "mode='generate' needs a model that keeps a key/value cache."
+        )
+    return cache
