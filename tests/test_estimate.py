@@ -523,3 +523,30 @@ def test_an_estimate_shows_its_timeline_in_a_notebook(ip: Any) -> None:
     assert ["text/html", "text/plain"] in kinds and any("image/png" in k for k in kinds)
     html = next(d["text/html"] for _, d in ip.rec.items if "text/html" in d)
     assert "predicted for T4" in html
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("H100", "H100 80GB"),
+        ("h100-80gb", "H100 80GB"),
+        ("4090", "RTX 4090"),
+        ("a100_40GB", "A100 40GB"),
+        ("t4", "T4"),
+    ],
+)
+def test_a_gpu_is_found_by_the_name_people_type(spec: str, name: str) -> None:
+    from memlab.estimate.gpus import gpu, parse
+
+    assert gpu(spec).name == name  # type: ignore[union-attr]
+    assert parse(spec, "--gpu").name == name
+
+
+def test_a_gpu_name_that_means_several_names_them_and_a_size_string_is_a_size() -> None:
+    from memlab.estimate.gpus import GiB, gpu
+
+    with pytest.raises(
+        ValueError, match=r"gpu got 'A100', which could be 'A100 40GB' or 'A100 80GB'"
+    ):
+        estimate(mlp, rows, None, RunConfig(), gpu="A100")
+    assert gpu("24GiB").memory == 24 * GiB  # type: ignore[union-attr]

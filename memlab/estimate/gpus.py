@@ -72,11 +72,15 @@ def gpu(spec: str | GPU | int | None) -> GPU | None:
             raise ValueError(f"a GPU of {spec:,} B leaves nothing after the CUDA context.")
         return GPU(f"custom {spec / GiB:.3g} GiB", spec, HOPPER_WORKSPACE)
     if isinstance(spec, str):
-        wanted = spec.replace(" ", "").lower()
-        for name, g in GPUS.items():
-            if name.replace(" ", "").lower() == wanted:
-                return g
-        raise ValueError(f"unknown GPU {spec!r}: one of {', '.join(GPUS)}, or a size in bytes.")
+        if _SIZE.match(spec):
+            return parse(spec)
+        found = _named(spec)
+        if found is not None:
+            return found
+        raise ValueError(
+            f"unknown GPU {spec!r}: one of {', '.join(GPUS)}, a size such as '24GiB', or a "
+            "size in bytes."
+        )
     raise TypeError(f"gpu takes a name, a GPU, a size in bytes or None, not {spec!r}.")
 
 
@@ -103,13 +107,32 @@ def parse(spec: str, option: str = "gpu") -> GPU:
             return _sized(spec)
         except ValueError as e:
             raise ValueError(f"{option} got {spec!r}: {e} Pass a larger size.") from None
-    for name, g in GPUS.items():
-        if name.replace(" ", "").lower() == spec.replace(" ", "").lower():
-            return g
+    found = _named(spec, option)
+    if found is not None:
+        return found
     raise ValueError(
         f"{option} got {spec!r}: pass one of {', '.join(GPUS)} (quoted if it has a space), "
         "or a size such as 24GiB."
     )
+
+
+def _named(spec: str, option: str = "gpu") -> GPU | None:
+    """The preset a name means, spaces, dashes, underscores and case aside ("a100-80gb"); a
+    part of one name alone too ("H100", "4090"). A part of several is a ValueError naming
+    them ("A100"); no match at all is None."""
+    wanted = _key(spec)
+    for name, g in GPUS.items():
+        if _key(name) == wanted:
+            return g
+    near = [g for name, g in GPUS.items() if len(wanted) >= 3 and wanted in _key(name)]
+    if len(near) > 1:
+        names = " or ".join(repr(g.name) for g in near)
+        raise ValueError(f"{option} got {spec!r}, which could be {names}: pass one of them.")
+    return near[0] if near else None
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name).lower()
 
 
 def _sized(spec: str) -> GPU:
