@@ -126,18 +126,18 @@ def checkpointed(
         shown = paths[:2] + (["...", paths[-1]] if len(paths) > 3 else paths[2:])
         chosen = [f"{len(paths)} blocks ({', '.join(shown)})"] if paths else []
         notes.append("checkpoint='auto' chose " + "; ".join(chosen + [r.describe() for r in runs]))
-    wrapped: list[nn.Module] = []
+    wrapped: list[tuple[nn.Module, Any]] = []  # each module with its own forward, or None
     config = getattr(model, "config", None)
     cache = getattr(config, "use_cache", None)
     try:
         for p in paths:
             module = named[p]
+            wrapped.append((module, module.__dict__.get("forward")))
             module.forward = _checkpointing(module.forward, extra)
-            wrapped.append(module)
         for r in runs:
             sequential = named[r.path]
+            wrapped.append((sequential, sequential.__dict__.get("forward")))
             sequential.forward = _in_runs(sequential, r, extra)
-            wrapped.append(sequential)
         if cache:
             config.use_cache = False  # type: ignore[union-attr]
             notes.append("use_cache off while checkpointing, as Hugging Face does in training")
@@ -145,8 +145,11 @@ def checkpointed(
     finally:
         if cache:
             config.use_cache = cache  # type: ignore[union-attr]
-        for module in wrapped:
-            del module.forward  # the class's forward shows through again
+        for module, own in reversed(wrapped):  # a forward set on the module itself (an
+            if own is not None:  # accelerate hook, the user's) is put back; else the class's
+                module.forward = own  # shows through again
+            else:
+                module.__dict__.pop("forward", None)
 
 
 def _checkpointing(original: Callable[..., Any], extra: dict[str, Any]) -> Callable[..., Any]:
