@@ -126,17 +126,17 @@ def checkpointed(
         shown = paths[:2] + (["...", paths[-1]] if len(paths) > 3 else paths[2:])
         chosen = [f"{len(paths)} blocks ({', '.join(shown)})"] if paths else []
         notes.append("checkpoint='auto' chose " + "; ".join(chosen + [r.describe() for r in runs]))
-    wrapped: list[nn.Module] = []
+    wrapped: list[tuple[nn.Module, Any]] = []  # each module with its own forward, or None
     caching = _caching_configs(model)
     try:
         for p in paths:
             module = named[p]
+            wrapped.append((module, module.__dict__.get("forward")))
             module.forward = _checkpointing(module.forward, extra)
-            wrapped.append(module)
         for r in runs:
             sequential = named[r.path]
+            wrapped.append((sequential, sequential.__dict__.get("forward")))
             sequential.forward = _in_runs(sequential, r, extra)
-            wrapped.append(sequential)
         for config in caching:
             config.use_cache = False
         if caching:
@@ -145,8 +145,11 @@ def checkpointed(
     finally:
         for config in caching:
             config.use_cache = True
-        for module in wrapped:
-            del module.forward  # the class's forward shows through again
+        for module, own in reversed(wrapped):  # a forward set on the module itself (an
+            if own is not None:  # accelerate hook, the user's) is put back; else the class's
+                module.forward = own  # shows through again
+            else:
+                module.__dict__.pop("forward", None)
 
 
 def _caching_configs(model: nn.Module) -> list[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -12,8 +13,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
-from memlab.core.ledger import device_key
+from memlab.core.ledger import default_ledger, device_key
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
@@ -100,33 +102,55 @@ def optimizer_over(
 
 @contextlib.contextmanager
 def restored(model: nn.Module, weights: bool) -> Iterator[None]:
-    """Leave ``model`` as it was: modes, gradients and (after a training step) its values.
-    The gradients are taken off the parameters for the block (a backward would add into them
-    in place) and put back as they were."""
+    """Leave ``model`` as it was: modes, gradients, its parameters' and buffers' objects (a
+    forward that rebinds a buffer, ``self.n = self.n + 1``, gets the original back),
+    ``requires_grad``, and the buffers' values (a forward may update them in any mode); with
+    ``weights`` (a training step), the parameters' values too. The gradients are taken off the
+    parameters for the block (a backward would add into them in place) and put back as they
+    were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
+    measures."""
     modes = [(m, m.training) for m in model.modules()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    for p, _ in grads:
+    held = [
+        (m, name, t, isinstance(t, nn.Parameter))
+        for m in model.modules()
+        for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
+    ]
+    grads = [(p, p.grad, p.requires_grad) for _, _, p, param in held if param]
+    for p, _, _ in grads:
         p.grad = None
-    values = {}
-    if weights:  # copies on the CPU: a copy on the GPU would double what the run measures
-        with torch.no_grad():
-            values = {
-                k: v.detach().to("cpu", copy=True)
-                for k, v in model.state_dict(keep_vars=True).items()
-                if v.device.type != "meta"  # meta tensors hold no values
-            }
+    kept = {id(t): t for _, _, t, param in held if (weights or not param) and not t.is_meta}
+    with torch.no_grad():  # a tied weight once; meta tensors hold no values
+        values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
     try:
         yield
     finally:
         for m, training in modes:
             m.training = training
-        for p, g in grads:
+        for m, name, t, _ in held:
+            if getattr(m, name, None) is not t:
+                setattr(m, name, t)
+        for p, g, requires_grad in grads:
             p.grad = g
-        if values:
-            with torch.no_grad():
-                for k, v in model.state_dict(keep_vars=True).items():
-                    if k in values:
-                        v.copy_(values[k])
+            p.requires_grad_(requires_grad)
+        with torch.no_grad():
+            for t, v in values:
+                t.copy_(v)
+
+
+@contextlib.contextmanager
+def random_kept(device: torch.device) -> Iterator[None]:
+    """torch's random state (the CPU's, and the run's GPU's) as it was before the block: the
+    random numbers a run draws (its inputs, dropout, a new model's initialisation) leave the
+    notebook's own sequence where it was. Only on the main thread: on another (the panel's
+    buttons) the kernel stays free, and numbers a cell drew meanwhile would be drawn again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    gpus = []
+    if device.type == "cuda":
+        gpus = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=gpus, device_type="cuda"):
+        yield
 
 
 def autocast_of(
@@ -148,3 +172,10 @@ def skipped(opt: torch.optim.Optimizer | None) -> bool:
     if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
         return False
     return not any(opt.state.values())
+
+
+def allocated(device: torch.device) -> int:
+    """What is allocated on ``device`` now (a series' point, in eval with outputs kept)."""
+    if device.type == "cuda":
+        return cuda.allocated(device)
+    return default_ledger().total(str(device))

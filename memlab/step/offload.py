@@ -43,8 +43,8 @@ from memlab.step.model import optimizer_over
 Mark = Callable[..., None]
 
 
-def _ignore(t: torch.Tensor, category: Category = Category.INPUT) -> None:
-    """Marks before the step has a region: nothing is measured."""
+def unmarked(t: torch.Tensor, category: Category = Category.INPUT) -> None:
+    """Marks where the step has no region (a warm-up, before the step): nothing is measured."""
 
 
 class HostOffload:
@@ -56,7 +56,7 @@ class HostOffload:
         self.meta = device.type == "meta"
         self.pin = device.type == "cuda"
         self.copies = HostCopies()
-        self.mark: Mark = _ignore
+        self.mark: Mark = unmarked
         self.figures: HostFigures | None = None
         #: The host-side optimizer, held weakly (it holds this object: no reference cycle).
         self._optimizer: weakref.ref[HostOptimizer] | None = None
@@ -94,7 +94,7 @@ class HostOffload:
                 with self._saving():
                     yield
         finally:
-            self.mark = _ignore
+            self.mark = unmarked
             self.figures = self.copies.figures()
 
     def keep(self) -> None:

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.core import cuda
 from memlab.core.categories import Category
-from memlab.core.ledger import default_ledger
 from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.oom import OOMExplanation
@@ -32,16 +30,18 @@ from memlab.step.generate import Stage, generate, unstaged
 from memlab.step.kvcache import cache_note
 from memlab.step.levers import lever_notes, selective, stepping
 from memlab.step.model import (
+    allocated,
     autocast_of,
     call,
     check_device,
     checkpointed,
     config_of,
+    random_kept,
     resolve_device,
     restored,
     skipped,
 )
-from memlab.step.offload import HostOffload
+from memlab.step.offload import HostOffload, unmarked
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
@@ -87,7 +87,8 @@ def run(
 
     model_fn(): the model, on the run's device. A new one each call keeps runs isolated; if it
         returns your existing model, memlab restores its weights, buffers, gradients, train/eval
-        modes and forwards afterwards, also when the run fails.
+        modes and forwards afterwards, also when the run fails or is interrupted; and torch's
+        random state (on the main thread: docs/reliability.md).
     input_fn(batch_size): the model's input: a tensor, a tuple (the arguments) or a mapping (the
         keyword arguments, e.g. ``input_ids`` and ``labels`` for a Hugging Face model).
     loss_fn(output): a scalar loss (default: the model's own ``loss`` where the output is a
@@ -117,8 +118,20 @@ def run(
         raise WhatIfError(
             f"step_fn must be a function of (model, batch), not {type(step_fn).__name__}."
         )
-    hooks = hooks or StepHooks()
     device = resolve_device(config.device)
+    with random_kept(device):  # the notebook's random sequence stays where it was
+        return _run(model_fn, input_fn, loss_fn, config, step_fn, hooks or StepHooks(), device)
+
+
+def _run(
+    model_fn: ModelFn,
+    input_fn: InputFn,
+    loss_fn: LossFn | None,
+    config: RunConfig,
+    step_fn: StepFn | None,
+    hooks: StepHooks,
+    device: torch.device,
+) -> RunResult:
     # PyTorch imports torch._dynamo on the first optimizer or dispatch mode, and the import keeps
     # the frames on its stack in a reference cycle: warm_up() does it on a thread of its own, and
     # must come before this run builds its optimizer, which would do it here otherwise.
@@ -159,14 +172,14 @@ def run(
             if config.warmup:
                 with compiling(config, device):  # torch.compile compiles here, or says why not
                     for _ in range(warmups(config)):
-                        warm(_unmarked, unstaged)
+                        warm(unmarked, unstaged)
                 # with fp16, the scaler skips the optimizer's step while the scaled gradients
                 # overflow (often the first steps, at its initial scale): warm up again until
                 # one is taken, so the measured step finds the optimizer's state in place
                 for _ in range(SCALER_RETRIES if scaler is not None else 0):
                     if not skipped(opt):
                         break
-                    warm(_unmarked, unstaged)
+                    warm(unmarked, unstaged)
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
@@ -239,7 +252,7 @@ def _step(
             with autocast():
                 out = user.forward(config.batch_size, mark)
             kept.append(out if config.retention == Retention.ATTACHED else detach(out))
-            series.append(_allocated(device))
+            series.append(allocated(device))
         return kept, series
     if config.mode == Mode.GENERATE:
         model.eval()
@@ -284,13 +297,3 @@ def _mark(
     region: track | CompiledRegion, t: torch.Tensor, category: Category = Category.INPUT
 ) -> None:
     region.mark(t, category)
-
-
-def _unmarked(t: torch.Tensor, category: Category = Category.INPUT) -> None:
-    """The warm-up's marks: nothing is measured."""
-
-
-def _allocated(device: torch.device) -> int:
-    if device.type == "cuda":
-        return cuda.allocated(device)
-    return default_ledger().total(str(device))
