@@ -52,7 +52,12 @@ def describe(value: Any) -> str:
 
 def not_a_module(model: Any) -> str:
     what = describe(model)
-    if callable(model):
+    if any(t.grad_fn is not None for t in tensors_of(model)):  # outputs, e.g. a list of losses
+        fix = (
+            "It holds tensors that already have a graph: draw that with memlab.graph_of(...) "
+            "(lists, tuples and dicts are unpacked)."
+        )
+    elif callable(model):
         fix = (
             "For a function, run it with grad enabled and pass what it returns: "
             "memlab.graph_of(fn(x)) (module names are then unknown)."
@@ -170,3 +175,23 @@ def no_graph_message(out: Any, tensors: list[torch.Tensor], grad: bool) -> str:
         f"memlab.graph: the forward returned {describe(out)} without a grad_fn, so there is no "
         f"autograd graph to draw (memlab.graph runs it with grad enabled): {why}."
     )
+
+
+def packed_inputs(inputs: tuple[Any, ...], error: BaseException) -> str | None:
+    """Why the forward may have refused ``inputs`` (a TypeError ``error`` raised in it): a
+    DataLoader's whole batch, a list or tuple of tensors, or the loader itself given where the
+    tensors go; None when no input looks like that."""
+    for k, value in enumerate(inputs, 1):
+        tp = type(value)
+        packed = issubclass(tp, (list, tuple)) and bool(tensors_of(value))
+        loader = type_name(tp) == "DataLoader"
+        if packed or loader:
+            what = "the DataLoader itself" if loader else describe(value)
+            return (
+                f"memlab.graph(model, *inputs): the forward raised {type(error).__name__} "
+                f"({str(error).splitlines()[0][:200]}) on input {k}, {what}. Pass the tensors "
+                "the forward takes, unpacked: a DataLoader's batch is (inputs, targets), so "
+                "x, y = next(iter(loader)); memlab.graph(model, x); arguments in a tuple: "
+                "memlab.graph(model, *args)."
+            )
+    return None

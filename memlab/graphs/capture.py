@@ -23,6 +23,7 @@ from memlab.graphs.args import (
     no_graph_message,
     not_a_module,
     output_tensors,
+    packed_inputs,
     required_inputs,
     tensors_of,
 )
@@ -54,7 +55,13 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     kinds = tuple((name, type(m).__name__) for name, m in model.named_modules())
     intervals: list[tuple[int, int, str]] = []
     with _module_intervals(names, intervals), torch.enable_grad():
-        out = model(*inputs, **kwargs)
+        try:
+            out = model(*inputs, **kwargs)
+        except TypeError as e:  # a whole batch, or the loader, where a tensor goes
+            why = packed_inputs(inputs, e)
+            if why is None:
+                raise
+            raise GraphArgumentError(why) from e
     outputs = tensors_of(out)
     if not any(t.grad_fn is not None for t in outputs):
         grad = any(p.requires_grad for p in model.parameters()) or any(

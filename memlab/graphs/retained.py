@@ -68,6 +68,9 @@ class RetainedReport(Result):
     items: tuple[Retained, ...]
     #: What the scan skipped and why (objects it could not read without running their code).
     notes: tuple[str, ...] = ()
+    #: Variables whose tensors still carry graphs that backward has already freed (the logged
+    #: ``losses.append(loss)`` of a training loop): no saved tensors, but a graph per step.
+    freed: tuple[Retained, ...] = ()
 
     @property
     def total(self) -> int:
@@ -88,10 +91,24 @@ class RetainedReport(Result):
                 for i in self.items
             ],
             "notes": list(self.notes),
+            "graphs_freed": [
+                {"name": i.name, "nodes": i.nodes, "tensors": i.tensors, "example": i.example}
+                for i in self.freed
+            ],
         }
 
+    def _freed_lines(self) -> list[str]:
+        return [
+            f"{i.name}: {i.tensors} tensor(s) still carry autograd graphs ({i.nodes} nodes, "
+            f"e.g. {i.example}) whose saved tensors backward already freed: 0 B of tensors "
+            "now, but every one kept adds its graph's nodes, and one kept before its backward "
+            f"holds all its activations; keep `loss.item()` or `loss.detach()` in {i.name}"
+            for i in self.freed
+        ]
+
     def text(self) -> str:
-        notes = [f"  note: {n}" for n in self.notes]
+        notes = [f"  {plain(line)}" for line in self._freed_lines()]
+        notes += [f"  note: {n}" for n in self.notes]
         if not self.items:
             return "\n".join(
                 ["memlab: no variable keeps an autograd graph's saved tensors alive.", *notes]
@@ -105,7 +122,8 @@ class RetainedReport(Result):
         return "\n".join(lines + notes)
 
     def html(self) -> str:
-        notes = "".join(note(n) for n in self.notes)
+        notes = "".join(note(plain(n)) for n in self._freed_lines())
+        notes += "".join(note(n) for n in self.notes)
         if not self.items:
             return (
                 heading("memlab: no variable keeps an autograd graph's saved tensors alive.")
@@ -160,7 +178,7 @@ def find_retained(
         if grad_fn is not None:
             found.setdefault(name, []).append((path, grad_fn))
     charged: set[int] = set()
-    items = []
+    items, freed = [], []
     for name, graphs in found.items():
         nodes = list(iter_nodes(g for _, g in graphs))
         leaves: set[int] = set()
@@ -170,12 +188,13 @@ def find_retained(
                 parts = storages(leaf) or ()
                 keep.extend(parts)
                 leaves.update(id(st) for st in parts)
-        total = 0
+        total, released = 0, False
         for node in nodes:
             try:
                 saved = [storages(t) for _, t in saved_tensors(node)]
             except GraphFreedError:
-                continue  # backward already released this node's saved tensors
+                released = True  # backward already released this node's saved tensors
+                continue
             except Exception:
                 skipped.add("node")
                 continue
@@ -190,7 +209,10 @@ def find_retained(
                         continue
                     charged.add(key)
                     total += st.nbytes()
+        found_here = Retained(name, total, len(nodes), len(graphs), graphs[0][0])
         if total:
-            items.append(Retained(name, total, len(nodes), len(graphs), graphs[0][0]))
+            items.append(found_here)
+        elif released:
+            freed.append(found_here)
     items.sort(key=lambda i: -i.bytes)
-    return RetainedReport(tuple(items), skipped.notes())
+    return RetainedReport(tuple(items), skipped.notes(), tuple(freed))

@@ -36,7 +36,7 @@ _OPAQUE = (
     types.FrameType,
     types.GeneratorType,
 )
-#: Attributes of a module that hold what exists anyway (parameters, buffers).
+#: Attributes of a module that hold what exists anyway (parameters, buffers: `_owned`).
 _SKIP_ATTRS = ("_parameters", "_buffers")
 _PLAIN_KEYS = (str, int, float, bool, type(None))
 
@@ -147,16 +147,20 @@ def tensors_in(
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(variable, path, tensor) for every tensor under the variables, ``depth`` levels into
     containers and object attributes, each object once, first found first (depth first)."""
-    seen: dict[int, Any] = {}  # id -> object, held so that no id is reused during the scan
+    # id -> (object, levels left when it was looked at); the object is held so that no id is
+    # reused during the scan. One reached again with more levels left is looked at again: a
+    # list first met at the bottom of another variable's nesting is still scanned as its own.
+    seen: dict[int, tuple[Any, int]] = {}
     layouts = _Layouts()
     visited = 0
     for name, root in variables:
         stack: list[tuple[Any, str, int]] = [(root, name, depth)]
         while stack:
             value, path, left = stack.pop()
-            if id(value) in seen:
+            before = seen.get(id(value))
+            if before is not None and (before[1] >= left or isinstance(before[0], torch.Tensor)):
                 continue
-            seen[id(value)] = value
+            seen[id(value)] = (value, left)
             visited += 1
             if visited > MAX_OBJECTS:
                 skipped.add("objects", len(stack) + 1)
@@ -165,7 +169,12 @@ def tensors_in(
             if issubclass(tp, torch.Tensor) and isinstance(value, torch.Tensor):
                 yield name, path, value
                 continue
-            if left <= 0 or issubclass(tp, _ATOMS + _OPAQUE):
+            if issubclass(tp, torch.nn.Module):  # all its own tensors, submodules' included
+                for t in _owned(value, skipped):
+                    if id(t) not in seen:
+                        seen[id(t)] = (t, 0)
+                        yield name, f"{path} (its parameters and buffers)", t
+            if left <= 0 or issubclass(tp, _ATOMS + _OPAQUE) or _shells(tp):
                 continue
             try:
                 items = list(itertools.islice(_children(value, tp, layouts), MAX_ITEMS + 1))
@@ -177,6 +186,27 @@ def tensors_in(
                 items.pop()
                 skipped.add("items", _remaining(value, tp))
             stack.extend((v, path + suffix, left - 1) for suffix, v in reversed(items))
+
+
+def _owned(module: torch.nn.Module, skipped: Skipped) -> list[torch.Tensor]:
+    """A module's parameters and buffers, its submodules' included (nn.Module's own methods;
+    what raises is skipped and counted): they exist anyway, whatever graph saved them."""
+    try:
+        nn = torch.nn.Module
+        return [*nn.parameters(module), *nn.buffers(module)]
+    except Exception:
+        skipped.add("attributes")
+        return []
+
+
+def _shells(tp: type) -> bool:
+    """Whether ``tp`` is IPython's or the kernel's own (``exit``, ``quit``, the shell): they
+    reach the whole namespace, whose variables are scanned as themselves."""
+    try:
+        module = type.__dict__["__module__"].__get__(tp)
+    except Exception:
+        return False
+    return type(module) is str and module.startswith(("IPython.", "ipykernel."))
 
 
 def _remaining(value: Any, tp: type) -> int:

@@ -49,7 +49,7 @@ def make_dot(
     outputs = output_tensors((var,))
     graph = graph_of(*outputs, inputs=inputs)  # a clear error for what has no graph
     dot = torchviz.make_dot(
-        var if not isinstance(var, Mapping) else tuple(outputs),
+        var if isinstance(var, torch.Tensor) else tuple(outputs),  # torchviz takes tuples only
         params=dict(params) if params is not None else None,
         show_attrs=show_attrs,
         show_saved=show_saved,

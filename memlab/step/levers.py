@@ -29,7 +29,7 @@ from torch import nn
 
 from memlab.step.adam8bit import Adam8bit
 from memlab.step.config import Optimizer, RunConfig, WhatIfError
-from memlab.step.model import optimizer
+from memlab.step.model import OWN_OPTIMIZERS, optimizer
 
 
 class StepInBackward(torch.optim.Optimizer):
@@ -91,7 +91,9 @@ def make_optimizer(
         return optimizer(model, config, foreach)
     params = [p for p in model.parameters() if p.requires_grad]
     adamw = config.optimizer == Optimizer.ADAMW
-    return Adam8bit(params, lr=config.lr, weight_decay=0.01 if adamw else 0.0, decoupled=adamw)
+    opt = Adam8bit(params, lr=config.lr, weight_decay=0.01 if adamw else 0.0, decoupled=adamw)
+    OWN_OPTIMIZERS.add(opt)
+    return opt
 
 
 @contextlib.contextmanager

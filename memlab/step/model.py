@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -79,6 +80,10 @@ def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -
             )
 
 
+#: The optimizers memlab made for its runs (a user's step_fn may not step one of its own).
+OWN_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def optimizer(
     model: nn.Module, config: RunConfig, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
@@ -89,15 +94,19 @@ def optimizer(
 def optimizer_over(
     params: Sequence[torch.Tensor], config: RunConfig, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
-    """The optimizer ``config`` names, over ``params``."""
+    """The optimizer ``config`` names, over ``params`` (one of `OWN_OPTIMIZERS`)."""
     params = list(params)
+    opt: torch.optim.Optimizer
     if config.optimizer == Optimizer.SGD:
-        return torch.optim.SGD(params, lr=config.lr, foreach=foreach)
-    if config.optimizer == Optimizer.SGD_MOMENTUM:
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, foreach=foreach)
-    if config.optimizer == Optimizer.ADAM:
-        return torch.optim.Adam(params, lr=config.lr, foreach=foreach)
-    return torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
+        opt = torch.optim.SGD(params, lr=config.lr, foreach=foreach)
+    elif config.optimizer == Optimizer.SGD_MOMENTUM:
+        opt = torch.optim.SGD(params, lr=config.lr, momentum=0.9, foreach=foreach)
+    elif config.optimizer == Optimizer.ADAM:
+        opt = torch.optim.Adam(params, lr=config.lr, foreach=foreach)
+    else:
+        opt = torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
+    OWN_OPTIMIZERS.add(opt)
+    return opt
 
 
 @contextlib.contextmanager

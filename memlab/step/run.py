@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from memlab.core.categories import Category
 from memlab.core.warmup import warm_up
@@ -44,7 +43,7 @@ from memlab.step.model import (
 from memlab.step.offload import HostOffload, unmarked
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
-from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach
+from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach, module_of
 
 Autocast = Callable[[torch.dtype], contextlib.AbstractContextManager[Any]]
 
@@ -97,8 +96,9 @@ def run(
     step_fn(model, batch): your own forward and loss, for a loss that needs targets: ``batch``
         is what input_fn returned, as it is; return the scalar loss (in no_grad or
         inference_mode, return the output). E.g. ``lambda model, b: F.cross_entropy(model(b[0]),
-        b[1])`` or, for a Hugging Face model, ``lambda model, b: model(**b).loss``. Give either
-        loss_fn or step_fn.
+        b[1])`` or, for a Hugging Face model, ``lambda model, b: model(**b).loss``. It may run
+        ``loss.backward()`` (and ``clip_grad_norm_``) itself; memlab makes and steps the
+        optimizer. Give either loss_fn or step_fn.
     hooks: how the step runs for a prediction (`StepHooks`; the estimator passes them).
     settings: RunConfig fields that override ``config`` (``run(m, x, batch_size=32)``).
     Raises WhatIfError for inputs it cannot run; an out-of-memory run is a result (oom=True).
@@ -136,9 +136,7 @@ def _run(
     # the frames on its stack in a reference cycle: warm_up() does it on a thread of its own, and
     # must come before this run builds its optimizer, which would do it here otherwise.
     warm_up()
-    model = call("model_fn", model_fn)
-    if not isinstance(model, nn.Module):
-        raise WhatIfError(f"model_fn must return a torch.nn.Module, not {type(model).__name__}.")
+    model = module_of(call("model_fn", model_fn))
     check_device("the model", [*model.parameters(), *model.buffers()], device)
     training = config.training
     if training and not any(p.requires_grad for p in model.parameters()):
@@ -188,7 +186,7 @@ def _run(
                 kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept[1], kept[2]))
-            chosen += lever_notes(config, device) + based.notes
+            chosen += lever_notes(config, device) + based.notes + user.notes(config)
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
@@ -275,16 +273,10 @@ def _step(
         for _ in range(config.accumulation):
             with autocast():
                 out = user.forward(micro, mark)
-                loss = user.loss(out) / config.accumulation
-            if not loss.requires_grad:
-                raise WhatIfError(
-                    "The loss does not require grad, so backward has nothing to do: is the forward "
-                    "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
-                    "forward alone, use mode='no_grad'."
-                )
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+                loss = user.loss(out, config.accumulation)  # None: step_fn ran backward
+            user.backward(loss, scaler)
             del out, loss
-        if scaler is not None:
+        if scaler is not None and not user.own_backward:  # theirs was not scaled
             scaler.step(opt)
             scaler.update()
         else:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from memlab.step.config import WhatIfError
-from memlab.step.model import call, check_device
+from memlab.step.config import Amp, RunConfig, WhatIfError
+from memlab.step.model import OWN_OPTIMIZERS, call, check_device
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -18,15 +20,24 @@ LossFn = Callable[[Any], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], Any]
 
 
-@dataclass(frozen=True)
+#: What to do when a step must run as the user wrote it (their own optimizers, several models).
+TRACK_INSTEAD = (
+    "to measure your own training step as it is written, run it under "
+    "`with memlab.track(breakdown=True) as t:` (`%%gpumem -b` in a notebook)"
+)
+
+
+@dataclass
 class UserStep:
-    """The user's side of a step: their model, inputs, and forward and loss."""
+    """The user's side of a step: their model, inputs, and forward and loss. ``own_backward``:
+    whether the last `forward` ran backward itself (a step_fn that calls ``loss.backward()``)."""
 
     model: nn.Module
     input_fn: InputFn
     loss_fn: LossFn | None
     step_fn: StepFn | None
     device: torch.device
+    own_backward: bool = field(default=False, init=False)
 
     def forward(self, batch: int, mark: Callable[[torch.Tensor], None]) -> Any:
         """The model on input_fn(batch), or step_fn(model, input_fn(batch)). Without step_fn, a
@@ -38,7 +49,10 @@ class UserStep:
         for t in tensors:
             mark(t)
         if self.step_fn is not None:
-            return self.step_fn(self.model, value)
+            with watching(self.model) as grads:
+                out = self.step_fn(self.model, value)
+            self.own_backward = bool(grads)
+            return out
         args: tuple[Any, ...] = value if isinstance(value, tuple) else (value,)
         kwargs: dict[str, Any] = {}
         if isinstance(value, Mapping):
@@ -54,16 +68,110 @@ class UserStep:
                 "step_fn=lambda model, batch: criterion(model(batch[0]), batch[1])."
             ) from e
 
-    def loss(self, out: Any) -> torch.Tensor:
+    def loss(self, out: Any, accumulation: int = 1) -> torch.Tensor | None:
+        """The training step's loss, divided for ``accumulation``; None when step_fn ran
+        backward itself (what it returned is then not used)."""
         if self.step_fn is None:
-            return loss_of(self.loss_fn, out)
+            return loss_of(self.loss_fn, out) / accumulation
+        if self.own_backward:
+            return None
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise WhatIfError(
                 f"step_fn must return the scalar loss in training, not {got}: e.g. end it with "
-                "criterion(model(x), y), or model(**batch).loss for a Hugging Face model."
+                "criterion(model(x), y), or model(**batch).loss for a Hugging Face model "
+                f"(or call loss.backward() in it). Or, {TRACK_INSTEAD}."
             )
-        return out
+        return out / accumulation
+
+    def notes(self, config: RunConfig) -> list[str]:
+        """What the report says about a step_fn that ran backward itself."""
+        if not self.own_backward or config.amp == Amp.OFF:
+            return []
+        return [
+            f"step_fn ran backward itself, inside the run's autocast (amp={config.amp.value}): "
+            "the weights' casts autocast caches stay through backward, and no gradient scaler "
+            "is used; return the loss instead to have memlab run backward after autocast, as a "
+            "training loop does"
+        ]
+
+    def backward(self, loss: torch.Tensor | None, scaler: Any) -> None:
+        """``loss.backward()`` (scaled by ``scaler`` when there is one), unless step_fn ran its
+        own (``loss`` None)."""
+        if loss is None:
+            return
+        if not loss.requires_grad:
+            raise WhatIfError(
+                "The loss does not require grad, so backward has nothing to do: is the forward "
+                "run under torch.no_grad(), or are all the parameters it uses frozen? For a "
+                "forward alone, use mode='no_grad'."
+            )
+        try:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        except RuntimeError as e:
+            if self.step_fn is None or "a second time" not in str(e):
+                raise
+            raise WhatIfError(
+                "step_fn ran backward through the loss it returned, but not into the model "
+                "model_fn made (its graph is already freed): memlab runs backward itself, so "
+                "return the loss without calling backward; for models outside model_fn's (two "
+                "models, as in a GAN), wrap them in one nn.ModuleDict that model_fn returns, or, "
+                f"{TRACK_INSTEAD}."
+            ) from e
+
+
+def module_of(value: Any) -> nn.Module:
+    """What model_fn returned, if it is a module; else an error that says what to pass."""
+    if isinstance(value, nn.Module):
+        return value
+    got = type(value).__name__
+    if isinstance(value, (tuple, list, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        modules = [m for m in items if isinstance(m, nn.Module)]
+        if modules:
+            raise WhatIfError(
+                f"model_fn must return one torch.nn.Module, not a {got} of {len(value)} "
+                "(several models, as a GAN's generator and discriminator): return "
+                "nn.ModuleDict({'g': g, 'd': d}) and use models['g'], models['d'] in "
+                "step_fn(models, batch), returning the sum of their losses (memlab steps one "
+                f"optimizer over both). Or, {TRACK_INSTEAD}."
+            )
+    raise WhatIfError(f"model_fn must return a torch.nn.Module, not {got}.")
+
+
+@contextlib.contextmanager
+def watching(model: nn.Module) -> Iterator[list[int]]:
+    """While step_fn runs: the gradients its own backward accumulates into ``model``'s
+    parameters (one entry each), and a clear error, before it steps, for an optimizer of its own
+    (memlab makes and steps the run's optimizer; stepping another would change the user's
+    optimizer and count its state as well)."""
+    grads: list[int] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _: grads.append(1))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+
+    def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt in OWN_OPTIMIZERS:  # optimizer_in_backward's, stepped by the user's backward
+            return
+        raise WhatIfError(
+            f"step_fn called {type(opt).__name__}.step() on an optimizer of its own: "
+            "memlab.whatif.run makes the optimizer RunConfig names (optimizer='sgd', 'adam', "
+            "...) and steps it after step_fn, once per step (accumulation=k calls step_fn k "
+            "times). Leave optimizer.step(), zero_grad() and the scheduler out of step_fn "
+            "(loss.backward() and clip_grad_norm_ may stay), and return the loss. Two models "
+            "with an optimizer each (a GAN): wrap them in one nn.ModuleDict that model_fn "
+            "returns and return the sum of their losses (one optimizer over both), or, "
+            f"{TRACK_INSTEAD}."
+        )
+
+    handles.append(register_optimizer_step_pre_hook(refuse))
+    try:
+        yield grads
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
