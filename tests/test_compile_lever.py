@@ -279,12 +279,17 @@ def test_a_compiled_step_says_what_it_knows_and_what_not(runs: Any) -> None:
     assert table.to_dict()["runs"][1]["activations"] is None
 
 
-def test_a_compiler_that_cannot_run_is_an_error_naming_the_field(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_compiler_that_cannot_run_is_an_error_naming_the_field() -> None:
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    # torch's own patch: pytest's monkeypatch leaves the setting deleted (hidden) on its undo,
+    # and every later compile in the process fails for want of it
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        _a_compiler_that_cannot_run()
+    assert inductor.cpp.cxx != ("/nonexistent/c++",)
+
+
+def _a_compiler_that_cannot_run() -> None:
 
     class Odd(nn.Module):  # a class no other test compiled: nothing cached to reuse
         def __init__(self) -> None:
