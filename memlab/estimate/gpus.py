@@ -117,14 +117,15 @@ def parse(spec: str, option: str = "gpu") -> GPU:
 
 
 def _named(spec: str, option: str = "gpu") -> GPU | None:
-    """The preset a name means, spaces, dashes, underscores and case aside ("a100-80gb"); a
-    part of one name alone too ("H100", "4090"). A part of several is a ValueError naming
-    them ("A100"); no match at all is None."""
+    """The preset a name means, spaces, dashes, underscores and case aside ("a100-80gb"); its
+    words alone too ("H100", "4090"), whole words only: "H20" or "A10" is another GPU, not a
+    part of "H200" or "A100". Words of several names are a ValueError naming them ("A100"); no
+    match at all is None."""
     wanted = _key(spec)
     for name, g in GPUS.items():
         if _key(name) == wanted:
             return g
-    near = [g for name, g in GPUS.items() if len(wanted) >= 3 and wanted in _key(name)]
+    near = [g for name, g in GPUS.items() if wanted and wanted in _word_runs(name)]
     if len(near) > 1:
         names = " or ".join(repr(g.name) for g in near)
         raise ValueError(f"{option} got {spec!r}, which could be {names}: pass one of them.")
@@ -133,6 +134,14 @@ def _named(spec: str, option: str = "gpu") -> GPU | None:
 
 def _key(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name).lower()
+
+
+def _word_runs(name: str) -> set[str]:
+    """The keys of a preset name's runs of consecutive words, a size's "GB" optional ("A100
+    80GB": a100, 80gb, a10080gb, and 80, a10080)."""
+    words = [_key(w) for w in name.split()]
+    runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+    return runs | {r[:-2] for r in runs if re.search(r"\dgb$", r)}
 
 
 def _sized(spec: str) -> GPU:

@@ -23,28 +23,68 @@ from memlab.step import WhatIfError
 META = torch.device("meta")
 
 
+#: The largest result a ``device="cpu"`` factory may have to stay on the CPU while a model is
+#: built (`Redirect`'s ``keep_cpu``): values to read are small; a layer's weights go to meta.
+KEEP_CPU_BYTES = 64 * 1024
+
+
 class Redirect(TorchFunctionMode):
     """Sends tensors the user's code puts on a GPU (or the CPU) to ``target`` instead, so code
     written for CUDA runs unchanged on a machine without one. With ``keep_cpu`` (a model's
-    construction), a factory told ``device="cpu"`` stays there: libraries build values to read
-    that way under a meta default device (transformers' drop-path rates: ``torch.linspace(...,
-    device="cpu").tolist()``)."""
+    construction), a factory told ``device="cpu"`` whose result is small (`KEEP_CPU_BYTES`)
+    stays there: libraries build values to read that way under a meta default device
+    (transformers' drop-path rates: ``torch.linspace(..., device="cpu").tolist()``); a big one
+    (a layer built with ``device="cpu"``) still goes to ``target``, costing no memory.
+    ``made_on_cpu``: the storages of the CPU tensors made in the block (`build_on_meta` tells
+    them from those of a model that already existed)."""
 
     def __init__(self, target: torch.device, keep_cpu: bool = False) -> None:
         super().__init__()
         self.target, self.keep_cpu = target, keep_cpu
+        self.made_on_cpu: set[int] = set()
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if kwargs.get("device") is not None and not (self.keep_cpu and _is_cpu(kwargs["device"])):
+        asked = kwargs.get("device")
+        if asked is not None:
             kwargs["device"] = self.target
         if func in (torch.Tensor.cuda, torch.Tensor.cpu):
             return args[0].to(self.target)
         if func is torch.Tensor.to:
             args = tuple(self.target if _is_device(a) else a for a in args)
-        return func(*args, **kwargs)
+        if not self.keep_cpu:
+            return func(*args, **kwargs)
+        if asked is not None and _is_cpu(asked) and func is not torch.Tensor.to:
+            out = self._small_on_cpu(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (ptr := _host_storage(t)) is not None:
+                self.made_on_cpu.add(ptr)
+        return out
+
+    def _small_on_cpu(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func`` told ``device="cpu"``: made on the CPU where its result is small, else on
+        ``target`` (made there first to learn its size; where that fails, on the CPU)."""
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            return func(*args, **{**kwargs, "device": "cpu"})
+        if isinstance(out, torch.Tensor) and out.nbytes > KEEP_CPU_BYTES:
+            return out
+        return func(*args, **{**kwargs, "device": "cpu"})
+
+
+def _host_storage(t: Any) -> int | None:
+    """Where a (non-empty, strided) CPU tensor's storage is; None for anything else."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except Exception:  # a subclass without a storage of its own
+        return None
 
 
 def _is_cpu(value: Any) -> bool:
@@ -79,13 +119,13 @@ def meta_device_module() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def redirected(device: str | torch.device = META, keep_cpu: bool = False) -> Iterator[None]:
+def redirected(device: str | torch.device = META, keep_cpu: bool = False) -> Iterator[Redirect]:
     """Within the block, tensors are created on ``device`` (default ``meta``), also where the
     code names another device: ``.to("cuda")``, ``.cuda()``, ``device="cuda"`` (with
     ``keep_cpu``, not ``device="cpu"``: `Redirect`)."""
     target = torch.device(device)
-    with torch.device(target), Redirect(target, keep_cpu):
-        yield
+    with torch.device(target), Redirect(target, keep_cpu) as mode:
+        yield mode
 
 
 def build_on_meta(model_fn: Callable[[], Any]) -> Any:
@@ -105,11 +145,16 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
             f"model_fn got {type(model_fn).__name__} {model_fn!r:.60}: pass a function that "
             "builds the model, e.g. model_fn=lambda: MyModel(config)."
         )
-    with _torch.disable_current_modes(), redirected(keep_cpu=True):
+    with _torch.disable_current_modes(), redirected(keep_cpu=True) as mode:
         model = model_fn()
     if not isinstance(model, torch.nn.Module):
         return model
-    real = {str(p.device) for p in model.parameters() if p.device != META}
+    made = mode.made_on_cpu  # what model_fn made on the CPU itself (small; to meta below)
+    real = {
+        str(p.device)
+        for p in model.parameters()
+        if p.device != META and _host_storage(p) not in made
+    }
     if real:
         raise WhatIfError(
             f"model_fn returned a model that already exists (on {', '.join(sorted(real))}):"

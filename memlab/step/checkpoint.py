@@ -137,14 +137,14 @@ def checkpointed(
             sequential = named[r.path]
             wrapped.append((sequential, sequential.__dict__.get("forward")))
             sequential.forward = _in_runs(sequential, r, extra)
-        for config in caching:
+        for config, _ in caching:
             config.use_cache = False
         if caching:
             notes.append("use_cache off while checkpointing, as Hugging Face does in training")
         yield notes
     finally:
-        for config in caching:
-            config.use_cache = True
+        for config, value in caching:  # each its own value back (True, or a truthy one)
+            config.use_cache = value
         for module, own in reversed(wrapped):  # a forward set on the module itself (an
             if own is not None:  # accelerate hook, the user's) is put back; else the class's
                 module.forward = own  # shows through again
@@ -152,13 +152,15 @@ def checkpointed(
                 module.__dict__.pop("forward", None)
 
 
-def _caching_configs(model: nn.Module) -> list[Any]:
-    """The Hugging Face configs with ``use_cache`` on, the model's and its modules' own (an
+def _caching_configs(model: nn.Module) -> list[tuple[Any, Any]]:
+    """The Hugging Face configs with ``use_cache`` on (True or 1), each with its value and
+    once (a config several modules share), the model's and its modules' own (an
     encoder-decoder's decoder stack holds a copy of it: T5's; a multimodal model's language
     model its ``text_config``): a cache filled in the forward and read again in the
     recomputation would save different tensors."""
     found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
-    return [c for c in found.values() if getattr(c, "use_cache", None) is True]
+    on = [(c, getattr(c, "use_cache", None)) for c in found.values()]
+    return [(c, value) for c, value in on if isinstance(value, int) and value]  # bool or 1
 
 
 def _checkpointing(original: Callable[..., Any], extra: dict[str, Any]) -> Callable[..., Any]:

@@ -140,9 +140,10 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
                 setattr(m, name, t)
         for p, g, requires_grad in grads:
             p.grad = g
-            p.requires_grad_(requires_grad)
-        with torch.no_grad():
-            for t, v in values:
+            if p.requires_grad != requires_grad:  # an inference tensor's may not be set again
+                p.requires_grad_(requires_grad)
+        for t, v in values:  # a model made under inference_mode: its tensors written in one
+            with torch.inference_mode() if t.is_inference() else torch.no_grad():
                 t.copy_(v)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,14 +147,16 @@ def watching(model: nn.Module) -> Iterator[list[int]]:
     (memlab makes and steps the run's optimizer; stepping another would change the user's
     optimizer and count its state as well)."""
     grads: list[int] = []
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda _: grads.append(1))
-        for p in model.parameters()
-        if p.requires_grad
-    ]
+    run_thread = threading.get_ident()
 
     def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt in OWN_OPTIMIZERS:  # optimizer_in_backward's, stepped by the user's backward
+            return
+        # the hook is global: an optimizer stepped on another of the program's threads is
+        # not step_fn's (the user training in the kernel while the panel's run goes on); one
+        # stepped on a thread Python did not start is in a backward (autograd's device threads)
+        here = threading.current_thread()
+        if threading.get_ident() != run_thread and not isinstance(here, threading._DummyThread):
             return
         raise WhatIfError(
             f"step_fn called {type(opt).__name__}.step() on an optimizer of its own: "
@@ -166,8 +169,12 @@ def watching(model: nn.Module) -> Iterator[list[int]]:
             f"{TRACK_INSTEAD}."
         )
 
-    handles.append(register_optimizer_step_pre_hook(refuse))
-    try:
+    handles = []
+    try:  # each hook removed, also when interrupted while they go in
+        handles.append(register_optimizer_step_pre_hook(refuse))
+        for p in model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _: grads.append(1)))
         yield grads
     finally:
         for h in handles:
