@@ -269,7 +269,7 @@ def test_bad_requests_get_errors_that_say_what_to_do() -> None:
     existing = mlp()
     with pytest.raises(WhatIfError, match=r"already exists \(on cpu\).*must build the model"):
         estimate(lambda: existing, rows, None, RunConfig(optimizer="sgd"))
-    with pytest.raises(ValueError, match=r"unknown GPU 'V100'.*H100 80GB"):
+    with pytest.raises(ValueError, match=r"gpu got 'V100', an unknown GPU: pass one of.*H100 80GB"):
         estimate(mlp, rows, None, RunConfig(), gpu="V100")
     with pytest.raises(ValueError, match="pass a budget"):
         estimate(mlp, rows, None, RunConfig(optimizer="sgd"), gpu=None).fits()

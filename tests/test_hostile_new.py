@@ -103,7 +103,9 @@ def test_fit_generation_refuses_a_context_beyond_the_models_positions() -> None:
 
 @pytest.mark.parametrize("gpu", ["Z80", "", "<b>"])
 def test_fit_generation_names_an_unknown_gpu_and_the_choices(gpu: str) -> None:
-    with pytest.raises(ValueError, match=rf"unknown GPU {re.escape(repr(gpu))}: one of T4, L4"):
+    with pytest.raises(
+        ValueError, match=rf"gpu got {re.escape(repr(gpu))}, an unknown GPU: pass one of T4, L4"
+    ):
         fit_generation(_never_built, gpu=gpu, context=64)
 
 

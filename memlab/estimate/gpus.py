@@ -69,7 +69,11 @@ def gpu(spec: str | GPU | int | None) -> GPU | None:
         return spec
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec <= CONTEXT:
-            raise ValueError(f"a GPU of {spec:,} B leaves nothing after the CUDA context.")
+            raise ValueError(
+                f"gpu got {spec:,}: a GPU of {spec:,} B leaves nothing after the CUDA context "
+                f"({CONTEXT // MiB} MiB). Pass a size in bytes above that, a size such as "
+                "'24GiB', or a name such as 'H100'."
+            )
         return GPU(f"custom {spec / GiB:.3g} GiB", spec, HOPPER_WORKSPACE)
     if isinstance(spec, str):
         if _SIZE.match(spec):
@@ -78,8 +82,8 @@ def gpu(spec: str | GPU | int | None) -> GPU | None:
         if found is not None:
             return found
         raise ValueError(
-            f"unknown GPU {spec!r}: one of {', '.join(GPUS)}, a size such as '24GiB', or a "
-            "size in bytes."
+            f"gpu got {spec!r}, an unknown GPU: pass one of {', '.join(GPUS)}, a size such as "
+            "'24GiB', or a size in bytes."
         )
     raise TypeError(f"gpu takes a name, a GPU, a size in bytes or None, not {spec!r}.")
 

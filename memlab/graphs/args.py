@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -179,19 +180,32 @@ def no_graph_message(out: Any, tensors: list[torch.Tensor], grad: bool) -> str:
 
 def packed_inputs(inputs: tuple[Any, ...], error: BaseException) -> str | None:
     """Why the forward may have refused ``inputs`` (a TypeError ``error`` raised in it): a
-    DataLoader's whole batch, a list or tuple of tensors, or the loader itself given where the
+    DataLoader's whole batch, a list or tuple of tensors, a mapping of them (keyword
+    arguments), a generator or iterator of batches, or the loader itself given where the
     tensors go; None when no input looks like that."""
     for k, value in enumerate(inputs, 1):
         tp = type(value)
         packed = issubclass(tp, (list, tuple)) and bool(tensors_of(value))
         loader = type_name(tp) == "DataLoader"
-        if packed or loader:
+        lazy = issubclass(tp, (types.GeneratorType, Iterator)) and not issubclass(tp, torch.Tensor)
+        if packed or loader or lazy:
             what = "the DataLoader itself" if loader else describe(value)
+            if lazy:
+                what = f"a {type_name(tp)} (batches not yet made)"
             return (
                 f"memlab.graph(model, *inputs): the forward raised {type(error).__name__} "
                 f"({str(error).splitlines()[0][:200]}) on input {k}, {what}. Pass the tensors "
                 "the forward takes, unpacked: a DataLoader's batch is (inputs, targets), so "
                 "x, y = next(iter(loader)); memlab.graph(model, x); arguments in a tuple: "
                 "memlab.graph(model, *args)."
+            )
+        if issubclass(tp, dict) and bool(tensors_of(value)):  # its own keys, no code of its
+            keys = ", ".join(repr(key)[:40] for key in list(dict.keys(value))[:5])
+            return (
+                f"memlab.graph(model, *inputs): the forward raised {type(error).__name__} "
+                f"({str(error).splitlines()[0][:200]}) on input {k}, a {type_name(tp)} of "
+                f"tensors ({keys}). Pass a mapping as keyword arguments, "
+                "memlab.graph(model, **batch), or the tensor the forward takes: "
+                "memlab.graph(model, batch['input'])."
             )
     return None

@@ -19,6 +19,7 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
+from memlab.step.decoding import check_prompt, model_output, within_positions
 from memlab.step.kvcache import cache_shape, cache_tensors, kv_cache_bytes, static_cache
 from memlab.step.model import call, check_device
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
@@ -72,26 +73,29 @@ def _hugging_face(
     kwargs.pop("labels", None)  # a loss is not part of generating
     if config.logits == "last" and _takes(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1  # as Hugging Face's generate() asks in its prefill
+    check_prompt(kwargs)
     mask = kwargs.get("attention_mask")
     ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    length = (ids.shape[1] if isinstance(ids, torch.Tensor) else 0) + config.new_tokens
+    given = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
+    length = given + config.new_tokens
     if config.cache == "static":  # room for every token, taken in the prefill
         kwargs[cache_name] = static_cache(model, config.batch_size, length)
-    with stage("prefill"):
-        out = model(**kwargs, use_cache=True)
-    tokens = []
-    for _ in range(config.new_tokens):
-        cache = _cache_of(out)
-        _mark_cache(cache, mark)
-        token = out.logits[:, -1:].argmax(-1)
-        tokens.append(token)
-        step: dict[str, Any] = {"input_ids": token, cache_name: cache, "use_cache": True}
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            step["attention_mask"] = mask
-        del out  # the last step's logits go before the next step's come
-        with stage("decode"):
-            out = model(**step)
+    with within_positions(model, config, given):
+        with stage("prefill"):
+            out = model_output(model(**kwargs, use_cache=True), model)
+        tokens = []
+        for _ in range(config.new_tokens):
+            cache = _cache_of(out)
+            _mark_cache(cache, mark)
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(token)
+            step: dict[str, Any] = {"input_ids": token, cache_name: cache, "use_cache": True}
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                step["attention_mask"] = mask
+            del out  # the last step's logits go before the next step's come
+            with stage("decode"):
+                out = model_output(model(**step), model)
     cache = _cache_of(out)
     _mark_cache(cache, mark)
     return [tokens, cache, length]

@@ -119,6 +119,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
     were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
     measures."""
     modes = [(m, m.training) for m in model.modules()]
+    shapes = [(m, _shape(m)) for m, _ in modes]
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
         for m in model.modules()
@@ -135,6 +136,8 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
+        for m, shape in shapes:
+            _reshape(m, shape)
         for m, name, t, _ in held:
             if getattr(m, name, None) is not t:
                 setattr(m, name, t)
@@ -145,6 +148,23 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
         for t, v in values:  # a model made under inference_mode: its tensors written in one
             with torch.inference_mode() if t.is_inference() else torch.no_grad():
                 t.copy_(v)
+
+
+def _shape(m: nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The names ``m`` binds and the object bound to each: its attributes, parameters,
+    buffers and children (a forward may add or rebind any of them)."""
+    own = [vars(m), m._parameters, m._buffers, m._modules]
+    return [(d, dict(d)) for d in own]
+
+
+def _reshape(m: nn.Module, shape: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Each name of ``m`` bound as `_shape` saw it: what a run added, removed; what it
+    rebound, back (a forward's ``self.register_buffer(...)`` or ``self.calls += 1``)."""
+    for live, kept in shape:
+        if live.keys() != kept.keys() or any(live[k] is not v for k, v in kept.items()):
+            live.clear()
+            live.update(kept)
+    m._non_persistent_buffers_set &= set(m._buffers)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,16 @@ from memlab.step.model import (
 from memlab.step.offload import HostOffload, unmarked
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
-from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, UserStep, detach, module_of
+from memlab.step.user import (
+    InputFn,
+    LossFn,
+    ModelFn,
+    StepFn,
+    UserStep,
+    check_trainable,
+    detach,
+    module_of,
+)
 
 Autocast = Callable[[torch.dtype], contextlib.AbstractContextManager[Any]]
 
@@ -139,11 +148,7 @@ def _run(
     model = module_of(call("model_fn", model_fn))
     check_device("the model", [*model.parameters(), *model.buffers()], device)
     training = config.training
-    if training and not any(p.requires_grad for p in model.parameters()):
-        raise WhatIfError(
-            "The model has no trainable parameters, so a training step has nothing to do: use "
-            "mode='no_grad', or unfreeze some parameters."
-        )
+    check_trainable(model, config)
     units = units_of(model) if config.world_size > 1 else ()  # FSDP's units, before any wrapping
     off = HostOffload(config, device, model)  # offload="off": the device's own optimizer
     on_host = off.make_optimizer if off.offload.optimizer else None

@@ -13,6 +13,7 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
+from memlab.step.decoding import check_prompt, model_output, within_positions
 from memlab.step.kvcache import cache_tensors
 from memlab.step.user import tensors_in
 
@@ -35,32 +36,42 @@ def encoder_decoder(
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("decoder_")}
     given = tensors_in(kwargs)
     if not given:
+        got = type(prompt).__name__
+        if isinstance(prompt, Mapping):  # e.g. only labels, or only the decoder's ids
+            keys = ", ".join(repr(k)[:40] for k in list(prompt)[:5])
+            got = f"a {got} with only {keys}" if keys else f"an empty {got}"
         raise WhatIfError(
             f"mode='generate' with an encoder-decoder model ({type(model).__name__}) needs "
             f"input_fn to return the encoder's input ({main}, or a mapping with it), not "
-            f"{type(prompt).__name__}."
+            f"{got}."
         )
+    check_prompt(kwargs)
     if decoder_ids is None:  # generate() starts the decoder from its start token
         start = _start_token(model)
         decoder_ids = torch.full((given[0].shape[0], 1), start, device=given[0].device)
+    check_prompt({"decoder_input_ids": decoder_ids})
     mask = kwargs.get("attention_mask")
-    with stage("prefill"):
-        out = model(**kwargs, decoder_input_ids=decoder_ids, use_cache=True)
-    encoded = (out.encoder_last_hidden_state,)  # kept for every step, as generate() keeps it
-    mark(encoded[0], Category.ACTIVATION)
-    tokens = []
-    for _ in range(config.new_tokens):
-        cache = _cache_of(out)
-        for t in cache_tensors(cache):
-            mark(t, Category.KV_CACHE)
-        token = out.logits[:, -1:].argmax(-1)
-        tokens.append(token)
-        del out  # the last step's logits go before the next step's come
-        with stage("decode"):
-            out = model(
-                encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token,
-                use_cache=True, **{cache_name: cache},
-            )  # fmt: skip
+    with within_positions(model, config, decoder_ids.shape[1]):
+        with stage("prefill"):
+            out = model_output(
+                model(**kwargs, decoder_input_ids=decoder_ids, use_cache=True), model
+            )
+        encoded = (out.encoder_last_hidden_state,)  # kept for every step, as generate() does
+        mark(encoded[0], Category.ACTIVATION)
+        tokens = []
+        for _ in range(config.new_tokens):
+            cache = _cache_of(out)
+            for t in cache_tensors(cache):
+                mark(t, Category.KV_CACHE)
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(token)
+            del out  # the last step's logits go before the next step's come
+            with stage("decode"):
+                out = model(
+                    encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token,
+                    use_cache=True, **{cache_name: cache},
+                )  # fmt: skip
+            out = model_output(out, model)
     cache = _cache_of(out)
     for t in cache_tensors(cache):
         mark(t, Category.KV_CACHE)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from memlab.step.config import Amp, RunConfig, WhatIfError
+from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.model import OWN_OPTIMIZERS, call, check_device
 
 ModelFn = Callable[[], nn.Module]
@@ -50,7 +50,7 @@ class UserStep:
         for t in tensors:
             mark(t)
         if self.step_fn is not None:
-            with watching(self.model) as grads:
+            with watching(self.model) as grads, grad_off_explained():
                 out = self.step_fn(self.model, value)
             self.own_backward = bool(grads)
             return out
@@ -121,6 +121,28 @@ class UserStep:
             ) from e
 
 
+def check_trainable(model: nn.Module, config: RunConfig) -> None:
+    """A WhatIfError for a model a step with grad cannot run: a training step's without
+    trainable parameters, and one made under ``torch.inference_mode()`` (autograd refuses to
+    save its tensors, deep in the forward)."""
+    if config.training and not any(p.requires_grad for p in model.parameters()):
+        raise WhatIfError(
+            "The model has no trainable parameters, so a training step has nothing to do: use "
+            "mode='no_grad', or unfreeze some parameters."
+        )
+    if config.mode not in (Mode.TRAIN, Mode.EVAL_WITH_GRAD):
+        return
+    made = [name for name, p in model.named_parameters() if p.is_inference()]
+    if made:
+        raise WhatIfError(
+            f"model_fn returned a model made under torch.inference_mode() ({len(made)} "
+            f"parameter(s) are inference tensors, {made[0]!r} first): autograd cannot save them "
+            f"for backward, so mode={str(config.mode)!r} cannot run it. Build the model outside "
+            "inference_mode (under torch.no_grad() if you like), or pass mode='no_grad' or "
+            "mode='inference_mode'."
+        )
+
+
 def module_of(value: Any) -> nn.Module:
     """What model_fn returned, if it is a module; else an error that says what to pass."""
     if isinstance(value, nn.Module):
@@ -179,6 +201,23 @@ def watching(model: nn.Module) -> Iterator[list[int]]:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def grad_off_explained() -> Iterator[None]:
+    """step_fn's own ``loss.backward()`` in a run with grad off (mode='no_grad' or
+    'inference_mode'), explained; any other error as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if torch.is_grad_enabled() or "does not require grad" not in str(e):
+            raise
+        raise WhatIfError(
+            "step_fn ran backward with grad off: mode='no_grad' and mode='inference_mode' run "
+            "step_fn under torch.no_grad() / torch.inference_mode(), so its loss has no graph "
+            f"({e}). For a forward alone, return the output without calling backward; to "
+            "measure training, pass mode='train'."
+        ) from e
 
 
 def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:

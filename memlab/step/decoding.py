@@ -1,0 +1,68 @@
+"""What ``mode="generate"`` checks of a Hugging Face model's prompt and outputs, for
+`memlab.step.generate` and `memlab.step.seq2seq`: a prompt with no tokens, an output that is
+a tuple (``return_dict=False``), and a generation longer than the model's position table."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from memlab.step.config import RunConfig, WhatIfError
+
+
+def check_prompt(kwargs: Mapping[str, Any]) -> None:
+    """A WhatIfError for a prompt without tokens (a tensor of shape ``(batch, 0)``): the model
+    has nothing to read, and its own error would come from deep inside it."""
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == 0:
+            raise WhatIfError(
+                f"mode='generate': input_fn returned an empty prompt ({name} of shape "
+                f"{tuple(value.shape)}): pass at least one token per sequence, e.g. "
+                "torch.full((batch, 1), bos_token_id)."
+            )
+
+
+def model_output(out: Any, model: Any) -> Any:
+    """``out``, a model output with ``.logits``; a WhatIfError for a tuple (a config with
+    ``return_dict=False``) or anything else without logits."""
+    if getattr(out, "logits", None) is None:
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise WhatIfError(
+            f"mode='generate' reads .logits and the cache from the model's output, and "
+            f"{type(model).__name__} returned {got}"
+            + (" (its config has return_dict=False)" if isinstance(out, tuple) else "")
+            + ": set model.config.return_dict = True in model_fn (or leave it at its default)."
+        )
+    return out
+
+
+def positions(model: Any) -> int | None:
+    """The longest sequence the model's position table holds (the decoder's, for an
+    encoder-decoder), or None where its config names none."""
+    config = getattr(model, "config", None)
+    for name in ("max_target_positions", "max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+@contextlib.contextmanager
+def within_positions(model: Any, config: RunConfig, prompt: int) -> Iterator[None]:
+    """An IndexError raised while generating ``prompt`` + new_tokens tokens past the model's
+    position table, explained with what to pass; any other error as it is."""
+    try:
+        yield
+    except IndexError as e:
+        limit = positions(model)
+        if limit is None or prompt + config.new_tokens <= limit:
+            raise
+        raise WhatIfError(
+            f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) makes "
+            f"{prompt + config.new_tokens:,}, past the {limit:,} positions "
+            f"{type(model).__name__}'s config allows ({e}): pass new_tokens ≤ "
+            f"{max(limit - prompt, 1):,}, or a shorter prompt."
+        ) from e
