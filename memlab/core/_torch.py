@@ -97,6 +97,11 @@ def destroy_library(library: torch.library.Library) -> None:
     library._destroy()
 
 
+def impl_over_composite(library: torch.library.Library, name: str, fn: Any, key: str) -> None:
+    """``library.impl``, also for Meta over a composite kernel (refused there). Checked 2.13."""
+    library.m.impl(name, key, fn, False)  # type: ignore[union-attr]
+
+
 def memory_snapshot() -> dict[str, Any]:
     """``torch.cuda.memory._snapshot()``: the CUDA caching allocator's segments and, while its
     history is recorded, every event (the allocator-trace tools). Checked 2.4.1, 2.11."""

@@ -27,7 +27,7 @@ from memlab.estimate.kernels import (
     HostRandomState,
     cuda_functions,
 )
-from memlab.estimate.kernels.grouped import grouped_mm_kernels
+from memlab.estimate.kernels.device import device_kernels
 from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.reduce import sms_of
 from memlab.estimate.kernels.rnn import flatten_patch
@@ -181,7 +181,7 @@ def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
     kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
     copies = CudaAllocations(sms) if cuda_kernels else null()
     handles = CublasHandles(take_workspace)
-    grouped = grouped_mm_kernels()  # MoE experts' products in every dtype, as CUDA takes them
+    grouped = device_kernels()  # losses, mish's backward, MoE products: as a device runs them
     with host, track(META), kernels, copies, handles, meta_device_module(), grouped:
         yield
 
