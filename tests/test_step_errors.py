@@ -107,3 +107,29 @@ def test_a_run_on_the_user_s_model_leaves_its_gradients_untouched() -> None:
     run(lambda: model, rows, device="cpu", optimizer="sgd")
     assert model.weight.grad is grad and torch.equal(grad, before)  # same object, same values
     assert torch.equal(model.weight.detach(), weights)
+
+
+def test_a_lazy_module_not_yet_run_is_named_with_how_to_materialise_it() -> None:
+    def lazy() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def rows(b: int) -> torch.Tensor:
+        return torch.randn(b, 8)
+
+    expected = r"uninitialized lazy parameter\(s\) \('0.weight' first.*m\(input_fn\(1\)\)"
+    with pytest.raises(WhatIfError, match=expected):
+        run(lazy, rows, lambda o: o.sum(), RunConfig(device="cpu", batch_size=4))
+    with pytest.raises(WhatIfError, match=expected):
+        estimate(lazy, rows, lambda o: o.sum(), batch_size=4, gpu=None)
+
+    def materialised() -> torch.nn.Module:
+        m = lazy()
+        m(rows(1))
+        return m
+
+    params = 4 * (8 * 16 + 16 + 16 * 4 + 4)  # the shapes the first forward gave
+    done = run(materialised, rows, lambda o: o.sum(), RunConfig(device="cpu", batch_size=4))
+    assert done.report is not None
+    assert done.report.breakdown.at_end["parameter"] == params
+    predicted = estimate(materialised, rows, lambda o: o.sum(), batch_size=4, gpu=None)
+    assert predicted.report.breakdown.at_end["parameter"] == params

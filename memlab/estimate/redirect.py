@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from memlab.core import _torch
 from memlab.step import WhatIfError
+from memlab.step.user import check_materialised
 
 META = torch.device("meta")
 
@@ -149,6 +150,7 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
         model = model_fn()
     if not isinstance(model, torch.nn.Module):
         return model
+    check_materialised(model)  # a lazy module's parameters have no size to move yet
     made = mode.made_on_cpu  # what model_fn made on the CPU itself (small; to meta below)
     real = {
         str(p.device)

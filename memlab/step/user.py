@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
@@ -146,7 +147,7 @@ def check_trainable(model: nn.Module, config: RunConfig) -> None:
 def module_of(value: Any) -> nn.Module:
     """What model_fn returned, if it is a module; else an error that says what to pass."""
     if isinstance(value, nn.Module):
-        return value
+        return check_materialised(value)
     got = type(value).__name__
     if isinstance(value, (tuple, list, dict)):
         items = value.values() if isinstance(value, dict) else value
@@ -160,6 +161,20 @@ def module_of(value: Any) -> nn.Module:
                 f"optimizer over both). Or, {TRACK_INSTEAD}."
             )
     raise WhatIfError(f"model_fn must return a torch.nn.Module, not {got}.")
+
+
+def check_materialised(model: nn.Module) -> nn.Module:
+    """``model``; a WhatIfError where a lazy module (``nn.LazyLinear``, ...) has not had the
+    forward that gives its parameters their shapes: nothing can be counted or copied yet."""
+    lazy = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise WhatIfError(
+            f"model_fn returned a model with {len(lazy)} uninitialized lazy parameter(s) "
+            f"({lazy[0]!r} first: a LazyLinear, LazyConv2d, ... not yet run): give them their "
+            "shapes in model_fn with one forward on a small batch, e.g. "
+            "`m = Net(); m(input_fn(1)); return m`."
+        )
+    return model
 
 
 @contextlib.contextmanager
