@@ -5,12 +5,14 @@ a tuple (``return_dict=False``), and a generation longer than the model's positi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
+from memlab.step.kvcache import cache_tensors
 
 
 def check_prompt(kwargs: Mapping[str, Any]) -> None:
@@ -66,3 +68,23 @@ def within_positions(model: Any, config: RunConfig, prompt: int) -> Iterator[Non
             f"{type(model).__name__}'s config allows ({e}): pass new_tokens ≤ "
             f"{max(limit - prompt, 1):,}, or a shorter prompt."
         ) from e
+
+
+def cache_of(out: Any, what: str = "the model") -> Any:
+    """The cache a Hugging Face model's output holds; a WhatIfError naming ``what`` where it
+    holds none."""
+    # "cache" first: newer transformers warn when the old name, past_key_values, is read
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else getattr(out, "past_key_values", None)
+    if cache is None:
+        raise WhatIfError(
+            f"{what} returned no cache (past_key_values) with use_cache=True: "
+            "mode='generate' needs a model that keeps a key/value cache."
+        )
+    return cache
+
+
+def mark_cache(cache: Any, mark: Callable[..., None]) -> None:
+    """Each of the cache's tensors marked as ``kv_cache``."""
+    for t in cache_tensors(cache):
+        mark(t, Category.KV_CACHE)

@@ -19,7 +19,13 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
-from memlab.step.decoding import check_prompt, model_output, within_positions
+from memlab.step.decoding import (
+    cache_of,
+    check_prompt,
+    mark_cache,
+    model_output,
+    within_positions,
+)
 from memlab.step.kvcache import cache_shape, cache_tensors, kv_cache_bytes, static_cache
 from memlab.step.model import call, check_device
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
@@ -85,8 +91,8 @@ def _hugging_face(
             out = model_output(model(**kwargs, use_cache=True), model)
         tokens = []
         for _ in range(config.new_tokens):
-            cache = _cache_of(out)
-            _mark_cache(cache, mark)
+            cache = cache_of(out)
+            mark_cache(cache, mark)
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
             step: dict[str, Any] = {"input_ids": token, cache_name: cache, "use_cache": True}
@@ -96,8 +102,8 @@ def _hugging_face(
             del out  # the last step's logits go before the next step's come
             with stage("decode"):
                 out = model_output(model(**step), model)
-    cache = _cache_of(out)
-    _mark_cache(cache, mark)
+    cache = cache_of(out)
+    mark_cache(cache, mark)
     return [tokens, cache, length]
 
 
@@ -126,7 +132,7 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
     out = _pair(first)
     tokens = []
     for _ in range(config.new_tokens):
-        _mark_cache(out[1], mark)
+        mark_cache(out[1], mark)
         token = out[0][:, -1:].argmax(-1)
         tokens.append(token)
         cache = out[1]
@@ -134,7 +140,7 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
         with stage("decode"):
             out = _pair(model(token, cache))
         del cache
-    _mark_cache(out[1], mark)
+    mark_cache(out[1], mark)
     return [tokens, out[1], prompt.shape[1] + config.new_tokens]
 
 
@@ -146,23 +152,6 @@ def _pair(out: Any) -> tuple[torch.Tensor, Any]:
             f"not {got}: return the logits and the updated cache (None in, for the prompt)."
         )
     return out[0], out[1]
-
-
-def _cache_of(out: Any) -> Any:
-    # "cache" first: newer transformers warn when the old name, past_key_values, is read
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else getattr(out, "past_key_values", None)
-    if cache is None:
-        raise WhatIfError(
-            "the model returned no cache (past_key_values) with use_cache=True: "
-            "mode='generate' needs a model that keeps a key/value cache."
-        )
-    return cache
-
-
-def _mark_cache(cache: Any, mark: Mark) -> None:
-    for t in cache_tensors(cache):
-        mark(t, Category.KV_CACHE)
 
 
 def _takes(model: Any, name: str) -> bool:

@@ -13,11 +13,18 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.step.config import RunConfig, WhatIfError
-from memlab.step.decoding import check_prompt, model_output, within_positions
-from memlab.step.kvcache import cache_tensors
+from memlab.step.decoding import (
+    cache_of,
+    check_prompt,
+    mark_cache,
+    model_output,
+    within_positions,
+)
 from memlab.step.user import tensors_in
 
 Mark = Callable[[torch.Tensor, Category], None]
+#: How errors name the model (an encoder-decoder has its own messages).
+WHAT = "the encoder-decoder model"
 
 
 def is_encoder_decoder(model: Any) -> bool:
@@ -60,9 +67,8 @@ def encoder_decoder(
         mark(encoded[0], Category.ACTIVATION)
         tokens = []
         for _ in range(config.new_tokens):
-            cache = _cache_of(out)
-            for t in cache_tensors(cache):
-                mark(t, Category.KV_CACHE)
+            cache = cache_of(out, WHAT)
+            mark_cache(cache, mark)
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
             del out  # the last step's logits go before the next step's come
@@ -72,9 +78,8 @@ def encoder_decoder(
                     use_cache=True, **{cache_name: cache},
                 )  # fmt: skip
             out = model_output(out, model)
-    cache = _cache_of(out)
-    for t in cache_tensors(cache):
-        mark(t, Category.KV_CACHE)
+    cache = cache_of(out, WHAT)
+    mark_cache(cache, mark)
     return [tokens, cache, decoder_ids.shape[1] + config.new_tokens]
 
 
@@ -85,14 +90,3 @@ def _start_token(model: Any) -> int:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return 0
-
-
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else getattr(out, "past_key_values", None)
-    if cache is None:
-        raise WhatIfError(
-            "the encoder-decoder model returned no cache (past_key_values) with use_cache=True: "
-            "mode='generate' needs a model that keeps a key/value cache."
-        )
-    return cache
