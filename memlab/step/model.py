@@ -118,8 +118,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
     parameters for the block (a backward would add into them in place) and put back as they
     were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
     measures."""
-    modes = [(m, m.training) for m in model.modules()]
-    shapes = [(m, _shape(m)) for m, _ in modes]
+    shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags and bindings
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
         for m in model.modules()
@@ -134,13 +133,8 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, training in modes:
-            m.training = training
-        for m, shape in shapes:
+        for m, shape in shapes:  # the same parameter and buffer objects, bound as they were
             _reshape(m, shape)
-        for m, name, t, _ in held:
-            if getattr(m, name, None) is not t:
-                setattr(m, name, t)
         for p, g, requires_grad in grads:
             p.grad = g
             if p.requires_grad != requires_grad:  # an inference tensor's may not be set again
