@@ -5,6 +5,7 @@ what to pass; the user's own values, exceptions and profiler must come through u
 
 from __future__ import annotations
 
+import faulthandler
 import gzip
 import io
 import json
@@ -317,6 +318,25 @@ def _exits_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+def _aborts_at_exit_on_rank_one(rank: int, world_size: int) -> dict[str, int]:
+    if rank == 1:
+        import atexit
+
+        faulthandler.disable()  # pytest's, inherited: no stack dump for an abort on purpose
+        atexit.register(os.abort)  # the process dies in its teardown, after the job is done
+    return {"rank": rank, "world_size": world_size}
+
+
+def _aborts_on_rank_one(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        faulthandler.disable()
+        os.abort()
+    dist.barrier()
+    return rank
+
+
 def _gathers_to_true(rank: int, world_size: int) -> Any:
     import memlab
     from memlab.distributed import gather
@@ -382,6 +402,23 @@ def test_the_failing_ranks_own_error_reaches_the_caller_with_its_rank() -> None:
 def test_a_rank_that_exits_is_named_not_the_rank_it_left_waiting() -> None:
     with pytest.raises(RankError, match=r"rank 1 of 2 raised SystemExit: rank one leaves"):
         _bounded(lambda: launch(_exits_on_rank_one, 2, start_method="fork"))
+
+
+def test_a_rank_lost_in_its_teardown_after_the_job_keeps_the_jobs_answer() -> None:
+    """gloo's threads rarely abort a rank's process as Python exits ("terminate called without
+    an active exception"): every fn has returned by then, so the answer is whole and comes home,
+    with a warning that says what happened. Spawn: the rank exits through Python's finalization
+    (atexit), as a real one does."""
+    with pytest.warns(RuntimeWarning, match=r"every rank's fn returned, then .*SIGABRT"):
+        value = _bounded(lambda: launch(_aborts_at_exit_on_rank_one, 2, start_method="spawn"))
+    assert value == {"rank": 0, "world_size": 2}
+
+
+def test_a_rank_lost_before_the_job_finished_is_still_an_error() -> None:
+    from torch.multiprocessing import ProcessExitedException
+
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        _bounded(lambda: launch(_aborts_on_rank_one, 2, start_method="fork"))
 
 
 def test_gather_and_check_name_what_they_got() -> None:

@@ -90,6 +90,8 @@ def _worker(
             _record_failure(out, rank, e)
             raise
         dist.barrier()  # no rank tears the group down while another still uses it
+        with contextlib.suppress(OSError):  # past the barrier: every rank's fn has returned
+            Path(f"{out}.rank{rank}.done").touch()
     finally:
         dist.destroy_process_group()
 
@@ -136,6 +138,27 @@ def _first_failure(out: str, world_size: int, stopped: Exception) -> RankError |
         return None
     d = min(found, key=lambda d: (d["time"], d["rank"]))
     return RankError(d["rank"], world_size, d["kind"], d["message"], d["trace"])
+
+
+def _finished(out: str, world_size: int) -> bool:
+    """Whether the job itself finished: rank 0's value is written and a rank passed the final
+    barrier, which no rank reaches before every rank's ``fn`` has returned. A rank can still be
+    lost after that, in PyTorch's own teardown (gloo's threads at exit, rarely): the job's
+    answer is whole all the same."""
+    return Path(out).exists() and any(
+        Path(f"{out}.rank{r}.done").exists() for r in range(world_size)
+    )
+
+
+def _warn_exit(stopped: Exception) -> None:
+    import warnings
+
+    warnings.warn(
+        f"memlab.distributed.launch: every rank's fn returned, then a rank's process stopped "
+        f"while PyTorch tore it down ({stopped}); the job's answer is whole, and is returned.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _under_torchrun() -> bool:
@@ -196,6 +219,9 @@ def launch(
                     start_method=method,
                 )
             except Exception as e:
+                if _finished(out, world_size):
+                    _warn_exit(e)
+                    return _decode(Path(out).read_text())
                 failure = _first_failure(out, world_size, e)
                 if failure is None:  # not fn's error (a rank killed, the group not formed)
                     raise
