@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
+from memlab.core.roles import Roles
 from memlab.core.storages import op_tensors
 from memlab.core.warmup import warm_up
 
@@ -49,7 +49,7 @@ class _Mode(OwnedMode):
         return out
 
 
-class Accountant:
+class Accountant(Roles):
     """Owns one region's dispatch mode and role hooks over a ledger."""
 
     def __init__(self, ledger: Ledger, breakdown: bool) -> None:
@@ -158,9 +158,22 @@ class Accountant:
         except Exception as e:
             self._error(e)
 
-    def _error(self, e: Exception) -> None:
+    def _error(self, e: Exception, what: str = "") -> None:
         if len(self.errors) < 5:
-            self.errors.append(f"{type(e).__name__}: {e}")
+            try:
+                said = f"{type(e).__name__}: {e}"
+            except Exception:  # an exception whose __str__ raises too
+                said = type(e).__name__
+            self.errors.append(f"{what} ({said})" if what else said)
+
+    def _safely(self, what: str, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` on the user's objects, from a hook or a sweep: a module, optimizer or
+        tensor whose own code raises (an overridden ``parameters()``, a ``grad`` property) never
+        breaks the user's forward, step or backward; the report's notes say what was skipped."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self._error(e, what)
 
     def phase(self) -> int:
         if _torch.current_autograd_node() is not None:
@@ -202,18 +215,18 @@ class Accountant:
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         self._module_depth += 1
-        self.watch_module(module, recurse=False)
+        self._safely("a module's roles not read", self.watch_module, module, False)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._module_depth = max(0, self._module_depth - 1)
 
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
-        self.watch_optimizer(opt)
+        self._safely(_OPT, self.watch_optimizer, opt)
 
     def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
-        self.watch_optimizer(opt)
+        self._safely(_OPT, self.watch_optimizer, opt)
 
     def _remember_leaves_of(self, node: Any) -> None:
         """The leaves this backward pass will give gradients to: the variables of the graph's
@@ -230,66 +243,21 @@ class Accountant:
 
     def sweep_gradients(self) -> None:
         for leaf in list(self._leaves.keys()):
-            grad = leaf.grad
-            if grad is not None:
-                self.mark(grad, Category.GRADIENT)
+            self._safely("a gradient not read", self._mark_grad, leaf)
 
-    # -- watching objects ----------------------------------------------------------------------
-    def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
-        for p in module.parameters(recurse=recurse):
-            self._remember_leaf(p)
-            if p.grad is not None:
-                self.mark(p.grad, Category.GRADIENT)
-        for b in module.buffers(recurse=recurse):
-            self.mark(b, Category.BUFFER)
-
-    def watch_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        self._optimizers.add(opt)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                self._remember_leaf(p)
-                self.mark(p, Category.PARAMETER)
-                if p.grad is not None:
-                    self.mark(p.grad, Category.GRADIENT)
-        for state in opt.state.values():
-            for value in state.values() if isinstance(state, dict) else ():
-                if isinstance(value, torch.Tensor):
-                    self.mark(value, Category.OPTIMIZER_STATE)
-
-    def watch(self, objects: Iterable[Any]) -> None:
-        """Learn the roles of the storages behind modules, optimizers and tensors. An object
-        that raises when looked at (a module whose parameters() fails, a tensor subclass that
-        refuses its storage) is skipped and counted in the report's notes."""
-        skipped = 0
-        for obj in objects:
-            try:
-                self._watch_one(obj)
-            except Exception:
-                skipped += 1
-        if skipped and not any(e.startswith("skipped") for e in self.errors):
-            self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
-
-    def _watch_one(self, obj: Any) -> None:
-        kind = type(obj)  # never obj.__class__: a proxy's may raise
-        if issubclass(kind, torch.nn.Module):
-            self.watch_module(obj)
-        elif issubclass(kind, torch.optim.Optimizer):
-            self.watch_optimizer(obj)
-        elif issubclass(kind, torch.Tensor):
-            st = storage_of(obj)
-            if st is None:
-                return
-            self.ledger.existing(obj, st)
-            if obj.requires_grad and obj.is_leaf:
-                self._remember_leaf(obj)
-                if obj.grad is not None:
-                    self.mark(obj.grad, Category.GRADIENT)
+    def _mark_grad(self, leaf: torch.Tensor) -> None:
+        grad = leaf.grad
+        if grad is not None:
+            self.mark(grad, Category.GRADIENT)
 
     def finish(self) -> None:
         """Last look at roles before the report: gradients and optimizer states now alive."""
         self.sweep_gradients()
         for opt in list(self._optimizers):
-            self.watch_optimizer(opt)
+            self._safely(_OPT, self.watch_optimizer, opt)
+
+
+_OPT = "an optimizer's roles not read"
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -69,13 +69,16 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The tensor's storage, or ``None`` for tensors without one (sparse, some subclasses). A
     wrapper subclass (a DTensor) answers for the first tensor it wraps (its local shard): the
     wrapper's own storage is a placeholder the size of the global tensor, with no memory."""
-    try:
-        if type(t) not in _PLAIN:
+    if type(t) not in _PLAIN:
+        try:
             inner = wrapped_tensors(t)
-            if inner:
-                t = inner[0]
+        except Exception:  # the subclass's own code raised: the tensor as it is
+            inner = []
+        if inner:
+            t = inner[0]
+    try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except Exception:  # RuntimeError, NotImplementedError, a subclass's own error
         return None
 
 
