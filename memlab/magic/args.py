@@ -152,6 +152,31 @@ def parse_cell_line(line: str) -> Options:
     return _finish(ns, ns.words)
 
 
+def parse_auto_line(state: str, rest: str) -> Options | None:
+    """``%gpumem_auto on [options]``: the options every cell is tracked with; None for ``off``.
+    What does not apply to every cell is refused, stray words included (``on cpu`` would
+    otherwise label every report "cpu" and measure the default device)."""
+    if state == "off":
+        if rest.strip():
+            raise UsageError(f"%gpumem_auto off takes nothing after it, not {rest.strip()!r}.")
+        return None
+    if state != "on":
+        raise UsageError(f"%gpumem_auto: expected on or off, not {state!r}.")
+    opts = parse_cell_line(rest)
+    given = (("-t", opts.timeline), ("-o", opts.out), ("-q", opts.quiet), ("--gpu", opts.gpu))
+    refused = [flag for flag, value in given if value]
+    if opts.label is not None:
+        refused.append(repr(opts.label))
+    if refused:
+        stray = (opts.label or "").split()
+        hint = f" (for a device: -d {stray[0]})" if len(stray) == 1 else ""
+        raise UsageError(
+            f"%gpumem_auto takes -d, -b, --no-reset and --driver only, not {', '.join(refused)}"
+            f"{hint}."
+        )
+    return opts
+
+
 def _joined(tokens: list[str]) -> list[str]:
     """An option's value that starts with "-" (``--gpu -1GiB``) joined to its option, which
     argparse would otherwise read as an option of its own, so its check says what it got."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import __future__
 
 import ast
+import contextlib
 import inspect
 import io
 import re
 import tokenize
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -103,3 +105,20 @@ def execute(shell: InteractiveShell, body: Any, expr: Any) -> Any:
 
 def has_value(value: Any) -> bool:
     return value is not NO_VALUE
+
+
+@contextlib.contextmanager
+def measured(region: Any) -> Iterator[None]:
+    """``region`` (a `memlab.track`) around a cell. The cell's own exception passes as it is;
+    memlab's own failure to build the report of a cell that ran to its end is not raised (the
+    cell keeps its value; the magic says there is no report). A Ctrl-C while the report is
+    built still reaches the user."""
+    __tracebackhide__ = True
+    region.__enter__()
+    try:
+        yield
+    except BaseException as e:
+        region.__exit__(type(e), e, e.__traceback__)
+        raise
+    with contextlib.suppress(Exception):
+        region.__exit__(None, None, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from html import escape
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -14,15 +15,16 @@ from memlab.core.ledger import default_ledger
 from memlab.magic.args import (
     HELP,
     Options,
+    parse_auto_line,
     parse_cell_line,
     parse_statement_line,
     variable_name,
 )
-from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value
+from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value, measured
 from memlab.magic.history import History
 from memlab.magic.namespace import NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
-from memlab.magic.tracebacks import without_memlab
+from memlab.magic.tracebacks import show_without_memlab, without_memlab
 from memlab.region import track
 from memlab.reports.plot import png
 from memlab.reports.report import MemoryReport, Reports
@@ -83,7 +85,7 @@ class GpumemMagics(Magics):
         if flight is not None:
             flight.start(body.co_filename)
         try:
-            with region:
+            with measured(region):
                 value = execute(self.sh, body, expr)
                 if cell is not None and quiet:
                     # a hidden value is dropped in the cell, as IPython drops it: it must not
@@ -210,14 +212,10 @@ class GpumemMagics(Magics):
             state = "on" if self._auto else "off"
             print(f"memlab: automatic tracking is {state}. Use %gpumem_auto on|off.")
             return
-        if words[0] == "off":
+        opts = parse_auto_line(words[0], words[1] if len(words) > 1 else "")
+        if opts is None:
             self.auto_off()
             return
-        if words[0] != "on":
-            raise UsageError(f"%gpumem_auto: expected on or off, not {words[0]!r}.")
-        opts = parse_cell_line(words[1] if len(words) > 1 else "")
-        if opts.timeline or opts.out or opts.quiet or opts.gpu:
-            raise UsageError("%gpumem_auto takes -d, -b, --no-reset and --driver only.")
         self._region(opts)  # validate the device now, not at the next cell
         self.auto_off()
         self._auto = opts
@@ -227,7 +225,7 @@ class GpumemMagics(Magics):
             # an error in a tracked cell reaches IPython through memlab's dispatch mode:
             # shown without memlab's frames, as under %%gpumem
             before = (self.sh.custom_exceptions, getattr(self.sh, "CustomTB", None))
-            self.sh.set_custom_exc((Exception, KeyboardInterrupt), _show_without_memlab)
+            self.sh.set_custom_exc((Exception, KeyboardInterrupt), show_without_memlab)
             self._custom_exc = (self.sh.CustomTB, before)
         print("memlab: tracking every cell (%gpumem_auto off to stop).")
 
@@ -250,7 +248,11 @@ class GpumemMagics(Magics):
         if self._auto is None or raw.startswith(("%%gpumem", "%gpumem_auto")):
             return
         region = self._region(self._auto)
-        region.__enter__()
+        try:
+            region.__enter__()
+        except Exception as e:  # memlab's own failure never stops the user's cell
+            print(f"memlab: this cell is not tracked: {e}.")
+            return
         self._auto_region = region
 
     def _post_cell(self, result: Any) -> None:
@@ -260,35 +262,27 @@ class GpumemMagics(Magics):
             return
         try:
             r = region.report
-        except RuntimeError:
+        except RuntimeError as e:
+            print(f"memlab: no report for this cell: {e.__cause__ or e}.")
             return
         self.history.add(cell_number(self.sh), r)
         text = one_line(r, cell_number(self.sh))
         display(
             {
                 "text/plain": text,
-                "text/html": f'<div style="font-size:11px;color:#555">{text}</div>',
+                "text/html": f'<div style="font-size:11px;color:#555">{escape(text)}</div>',
             },
             raw=True,
         )
 
     def _close_auto(self, err: type[BaseException] | None) -> track | None:
         region, self._auto_region = self._auto_region, None
-        if region is not None:
-            region.__exit__(err, None, None)
+        if region is not None:  # memlab's own failure: no report (said by _post_cell)
+            with contextlib.suppress(Exception):
+                region.__exit__(err, None, None)
         return region
 
     gpumem.__doc__ = HELP
-
-
-def _show_without_memlab(
-    shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None
-) -> list[str]:
-    """IPython's custom exception handler while %gpumem_auto is on: the traceback as IPython
-    would show it, less memlab's frames."""
-    without_memlab(value)
-    shell.showtraceback((etype, value, value.__traceback__), tb_offset=tb_offset)
-    return []
 
 
 def _png(fig: Any) -> Image:

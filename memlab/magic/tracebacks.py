@@ -7,6 +7,7 @@ import itertools
 import sysconfig
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 _MEMLAB = str(Path(__file__).parents[1])  # the memlab package
 #: Where library code lives (the standard library, installed packages): frames there that
@@ -62,3 +63,13 @@ def without_memlab(e: BaseException) -> BaseException:
     if kept:
         kept[-1].tb_next = None
     return e.with_traceback(kept[0] if kept else None)
+
+
+def show_without_memlab(
+    shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None
+) -> list[str]:
+    """IPython's custom exception handler while %gpumem_auto is on: the traceback as IPython
+    would show it, less memlab's frames."""
+    without_memlab(value)
+    shell.showtraceback((etype, value, value.__traceback__), tb_offset=tb_offset)
+    return []
