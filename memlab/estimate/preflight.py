@@ -27,6 +27,7 @@ from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryErro
 from memlab.estimate.gpus import GPU
 from memlab.estimate.oom import explain, replay_peak, stream_levers
 from memlab.estimate.redirect import redirected
+from memlab.graphs.scan import key_text
 from memlab.reports.oom import Lever, LiveTensor, Preflight
 from memlab.reports.units import fmt_bytes
 
@@ -145,8 +146,16 @@ class Flight:
                 self.allocator.segments(),
                 [(s, self.sizes[s]) for s in self.handles],
                 set(self.saved),
-                variable_names(self.ledger, self.namespace, self.hidden),
+                self._names(),
             )
+
+    def _names(self) -> dict[int, list[str]]:
+        """The variables that hold each storage, for the explanation; none when the namespace
+        cannot be read (the verdict never depends on them)."""
+        try:
+            return variable_names(self.ledger, self.namespace, self.hidden)
+        except Exception:
+            return {}
 
     def _free(self, serial: int, nbytes: int) -> None:
         self.stream.append((serial, -nbytes))
@@ -264,7 +273,9 @@ def variable_names(
     ledger: Ledger, namespace: dict[str, Any], hidden: Container[str] = ()
 ) -> dict[int, list[str]]:
     """Which user variables hold which storages (by serial): tensors, and those directly in
-    short lists, tuples and dicts; found by ``type()``, so none of the user's code runs."""
+    short lists, tuples and dicts; found by ``type()``, so none of the user's code runs (a
+    dict's keys are shown by ``repr`` only when plain; names that are not str are passed
+    over)."""
     names: dict[int, list[str]] = {}
 
     def note(name: str, value: Any) -> None:
@@ -274,15 +285,15 @@ def variable_names(
                 names.setdefault(serial, []).append(name)
 
     for name, value in list(namespace.items()):
-        if name[:1] == "_" or name in hidden:
+        if type(name) is not str or name[:1] == "_" or name in hidden:
             continue
         kind = type(value)
         if kind in (list, tuple) and len(value) <= MAX_SCAN:
             for i, v in enumerate(value):
                 note(f"{name}[{i}]", v)
         elif kind is dict and len(value) <= MAX_SCAN:
-            for k, v in value.items():
-                note(f"{name}[{k!r}]", v)
+            for k, v in dict.items(value):
+                note(f"{name}[{key_text(k)}]", v)
         else:
             note(name, value)
     return names

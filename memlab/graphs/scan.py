@@ -78,7 +78,7 @@ def type_name(tp: type) -> str:
         return "object"
 
 
-def _key(k: Any) -> str:
+def key_text(k: Any) -> str:
     """A dict key for a path: ``repr`` of plain keys only (a user's ``__repr__`` may raise)."""
     if type(k) in _PLAIN_KEYS:
         return repr(k)
@@ -127,7 +127,7 @@ class _Layouts:
 def _children(value: Any, tp: type, layouts: _Layouts) -> Iterable[tuple[str, Any]]:
     """(path suffix, child) pairs of a container's items or an object's attributes."""
     if issubclass(tp, dict):
-        return ((f"[{_key(k)}]", v) for k, v in dict.items(value))
+        return ((f"[{key_text(k)}]", v) for k, v in dict.items(value))
     if issubclass(tp, list):
         return ((f"[{i}]", v) for i, v in enumerate(list.__iter__(value)))
     if issubclass(tp, tuple):
@@ -136,7 +136,7 @@ def _children(value: Any, tp: type, layouts: _Layouts) -> Iterable[tuple[str, An
         base = set if issubclass(tp, set) else frozenset
         return ((f"[{i}]", v) for i, v in enumerate(base.__iter__(value)))
     return (
-        (f".{k}" if type(k) is str else f"[{_key(k)}]", v)
+        (f".{k}" if type(k) is str else f"[{key_text(k)}]", v)
         for k, v in layouts.attributes(value, tp)
         if type(k) is not str or k not in _SKIP_ATTRS
     )
