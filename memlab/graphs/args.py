@@ -34,9 +34,10 @@ def describe(value: Any) -> str:
     """A short description of a user's value: its kind, and its value where that is plain."""
     tp = type(value)
     if issubclass(tp, torch.Tensor):
-        shape = "×".join(map(str, value.shape)) or "scalar"
+        shape = "×".join(map(str, sizes(value))) or "scalar"
         dtype = str(value.dtype).removeprefix("torch.")
-        return f"a tensor ({shape}, {dtype}{', sparse' if value.is_sparse else ''})"
+        kind = ", sparse" if value.is_sparse else ", nested" if value.is_nested else ""
+        return f"a tensor ({shape}, {dtype}{kind})"
     if issubclass(tp, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         name = getattr(value, "__qualname__", None)
         return f"the function {name}" if type(name) is str else "a function"
@@ -49,6 +50,22 @@ def describe(value: Any) -> str:
         if issubclass(tp, base):
             return f"a {type_name(tp)} of {base.__len__(value)} item(s)"
     return f"a {type_name(tp)} object"
+
+
+def sizes(t: torch.Tensor) -> tuple[int | str, ...]:
+    """``t``'s sizes, never an error: a nested tensor's ragged dimension as torch names it
+    ("j1"), or "?" where its layout cannot say (``.shape`` raises for those)."""
+    try:
+        return tuple(s if type(s) is int else str(s) for s in t.shape)
+    except Exception:
+        pass
+    out: list[int | str] = []
+    for i in range(t.dim()):
+        try:
+            out.append(int(t.size(i)))
+        except Exception:
+            out.append("?")
+    return tuple(out)
 
 
 def not_a_module(model: Any) -> str:
@@ -128,6 +145,21 @@ def output_tensors(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
             )
         found += tensors
     return found
+
+
+def given_inputs(inputs: Any) -> list[torch.Tensor]:
+    """``graph_of``'s ``inputs=``: a tensor, or a list, tuple or dict of tensors (or none)."""
+    if inputs is None:
+        return []
+    tensors = tensors_of(inputs)
+    container = next((b for b in _CONTAINERS if issubclass(type(inputs), b)), None)
+    if tensors or (container is not None and container.__len__(inputs) == 0):
+        return tensors
+    raise GraphArgumentError(
+        f"memlab.graph_of(..., inputs=...): inputs is {describe(inputs)}"
+        f"{' holding no tensor' if container else ''}. Pass the tensors that exist anyway (the "
+        "forward's inputs), e.g. inputs=[x], or leave inputs out."
+    )
 
 
 def no_grad_fn_message(t: torch.Tensor, count: int) -> str:

@@ -19,12 +19,14 @@ from memlab.core.autograd import iter_nodes
 from memlab.graphs.args import (
     GraphArgumentError,
     NoGraphError,
+    given_inputs,
     no_grad_fn_message,
     no_graph_message,
     not_a_module,
     output_tensors,
     packed_inputs,
     required_inputs,
+    sizes,
     tensors_of,
 )
 from memlab.graphs.collapse import drawing_notes
@@ -84,12 +86,12 @@ def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Gra
     dicts of them are unpacked). Module names are unknown here (``memlab.graph`` runs the
     forward to learn them); leaves that require grad are the graph's parameters, and ``inputs``
     are tensors that exist anyway."""
-    tensors = output_tensors(outputs)
+    tensors, given = output_tensors(outputs), given_inputs(inputs)
     without = [t for t in tensors if t.grad_fn is None]
     if len(without) == len(tensors):
         raise NoGraphError(no_grad_fn_message(without[0], len(tensors)))
     notes = ("modules unknown: memlab.graph(model, *inputs) runs the forward to learn them",)
-    return _build(tensors, [], None, _storages(tensors_of(inputs)), {}, notes, ())
+    return _build(tensors, [], None, _storages(given), {}, notes, ())
 
 
 @contextlib.contextmanager
@@ -170,7 +172,7 @@ def _build(
             leaf_name = params.get(id(leaf))
             if leaf_name is None:  # not a named parameter of the model
                 kind = "parameter" if isinstance(leaf, torch.nn.Parameter) else "leaf"
-                leaf_name = f"{kind} {'×'.join(map(str, leaf.shape)) or 'scalar'}"
+                leaf_name = f"{kind} {'×'.join(map(str, sizes(leaf))) or 'scalar'}"
             else:
                 module = leaf_name.rpartition(".")[0]
         saved, total = [], 0
@@ -178,7 +180,7 @@ def _build(
             parts = storages(t)
             if parts is None:
                 unread += 1
-                saved.append(Saved(attr, tuple(t.shape), _dtype(t), 0, "unread"))
+                saved.append(Saved(attr, sizes(t), _dtype(t), 0, "unread"))
                 continue
             keep.extend(parts)
             kinds_seen = []
@@ -197,7 +199,7 @@ def _build(
                     total += st.nbytes()
             kind = next((k for k in KINDS if k in kinds_seen), "shared")
             nbytes = sum(st.nbytes() for st in parts)
-            saved.append(Saved(attr, tuple(t.shape), _dtype(t), nbytes, kind))
+            saved.append(Saved(attr, sizes(t), _dtype(t), nbytes, kind))
         inputs = tuple(index[id(f)] for f, _ in n.next_functions if f is not None)
         built[i] = Node(i, type(n).__name__, module, total, tuple(saved), inputs, leaf_name)
     if unread:

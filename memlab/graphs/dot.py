@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from memlab.graphs.collapse import MAX_DRAWN, plan
 from memlab.graphs.model import Graph, Node, module_at
@@ -78,11 +79,21 @@ def _tooltip(n: Node) -> str:
     return "\n".join(lines)
 
 
+def check_drawing(depth: Any, limit: Any) -> None:
+    """A ValueError that names ``depth`` or ``limit`` when it is not what a drawing takes."""
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise ValueError(f"limit must be a positive int or None (draw everything), not {limit!r}")
+    if depth is not None and (type(depth) is not int or depth < 1):
+        raise ValueError(
+            f"depth must be a positive int (one box per module that many levels deep) or None "
+            f"(every node), not {depth!r}"
+        )
+
+
 def to_dot(graph: Graph, depth: int | None = None, limit: int | None = MAX_DRAWN) -> str:
     """DOT text: every node (``depth=None``) or one box per module cut to ``depth``; at most
     ``limit`` boxes (repeats collapsed, the rest summed up, see `memlab.graphs.collapse`)."""
-    if limit is not None and (type(limit) is not int or limit < 1):
-        raise ValueError(f"limit must be a positive int or None (draw everything), not {limit!r}")
+    check_drawing(depth, limit)
     nodes = graph.nodes
     if depth is None:
         keys = [str(n.id) for n in nodes]

@@ -23,7 +23,7 @@ KINDS = ("activation", "shared", "parameter", "input", "unread")
 @dataclass(frozen=True)
 class Saved:
     attr: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a nested tensor's ragged dimension as text
     dtype: str
     nbytes: int  # the bytes of the whole storage this tensor views
     kind: str
@@ -135,6 +135,9 @@ class Graph(Result):
     def view(self, depth: int | None, limit: int | None = MAX_DRAWN) -> GraphView:
         """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``;
         ``depth=None``: every node (what a small graph shows by default)."""
+        from memlab.graphs.dot import check_drawing
+
+        check_drawing(depth, limit)  # said here, not when the view is displayed
         return GraphView(self, depth, limit)
 
     def table_html(self, k: int = 10) -> str:
