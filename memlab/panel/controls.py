@@ -3,9 +3,11 @@ as an attribute (``explorer.batch_size``, ``explorer.run_button``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ipywidgets as w
+from traitlets import TraitError, validate
 
 from memlab.estimate.gpus import GPUS
 from memlab.panel.applies import follow
@@ -18,6 +20,22 @@ from memlab.step import Amp, Mode, Offload, Optimizer, Retention, RunConfig, Sha
 HERE = "no: measure here"
 #: The "simulate a GPU" choice of a card of any size (the "custom GPU (GiB)" field).
 CUSTOM = "custom size"
+
+
+class NumberField(w.BoundedFloatText):  # type: ignore[misc]
+    """A number field that refuses NaN, naming itself and what it takes (its bounds clamp every
+    other number; NaN compares with neither, would pass them and break the panel's sums)."""
+
+    @validate("value")
+    def _validate_value(self, proposal: Any) -> Any:
+        __tracebackhide__ = True
+        value = proposal["value"]
+        if math.isnan(value):
+            low, high = (
+                f"{x:,.0f}" if float(x).is_integer() else f"{x:,}" for x in (self.min, self.max)
+            )
+            raise TraitError(f"{self.description} got nan: type a number from {low} to {high}.")
+        return super()._validate_value(proposal)
 
 
 def build_controls(self: Any, c: RunConfig) -> w.VBox:
@@ -63,13 +81,13 @@ def build_controls(self: Any, c: RunConfig) -> w.VBox:
     self.offload = w.Dropdown(  # what a training step keeps in host memory (CPU RAM)
         options=Offload.values(), value=str(c.offload), description="offload", style=style
     )
-    self.budget = w.BoundedFloatText(
+    self.budget = NumberField(
         value=mib(c.budget), min=0, max=1e9, step=1, description="budget (MiB)", style=style
     )
     self.simulate = w.Dropdown(
         options=(HERE, *GPUS, CUSTOM), value=HERE, description="simulate a GPU", style=style
     )
-    self.custom_gib = w.BoundedFloatText(
+    self.custom_gib = NumberField(
         value=16, min=1, max=4096, description="custom GPU (GiB)", style=style
     )
     self.custom_gib.layout.display = "none"  # shown when "custom size" is chosen
