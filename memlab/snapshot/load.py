@@ -71,7 +71,7 @@ def _layout_checked(name: str) -> Iterator[None]:
         yield
     except SnapshotError:
         raise
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError) as e:
         raise SnapshotError(
             f"{name} is not laid out as a memory snapshot ({type(e).__name__}: {e}): pass a "
             "file written by torch.cuda.memory._dump_snapshot."

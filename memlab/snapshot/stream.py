@@ -3,16 +3,17 @@ read, so the file never stands in memory whole, and the cache's state is shown b
 
 A snapshot is one pickle: ``segments`` (the cache's state at the end), then ``device_traces``,
 one dict an event, each with a list of frames. `SafeUnpickler` (pickle's C loader) reads the
-file through `_Tap`, which every ``every`` bytes calls a `_Drain`: it hands the events loaded so
-far to their `Collector`, empties the lists that held them, and gives the loader a memo (its
-table of what a later part of the pickle may refer to again) without them
-(`memlab.snapshot.memo`). Forgotten: every event dict (torch makes a new one for each event and
-never refers to it again), and a list of frames once the allocation it belongs to is freed
-(torch shares one list between the events of an allocation; a list also named by a segment's
-event is kept, for a later ``segment_free``). Kept lists are replaced by their reading, ``[READ,
-Known]``. What stays is the compact arrays, the lists of the allocations still live, the
-segments and the distinct frames. Should a file refer again to a list forgotten (no torch file
-seen does), it is read again forgetting nothing (``prune_frames=False``).
+file through a `Tap` (`memlab.snapshot.tap`, which also keeps the memory taken bounded), which
+every ``every`` bytes calls a `_Drain`: it hands the events loaded so far to their `Collector`,
+empties the lists that held them, and gives the loader a memo (its table of what a later part of
+the pickle may refer to again) without them (`memlab.snapshot.memo`). Forgotten: every event
+dict (torch makes a new one for each event and never refers to it again), and a list of frames
+once the allocation it belongs to is freed (torch shares one list between the events of an
+allocation; a list also named by a segment's event is kept, for a later ``segment_free``). Kept
+lists are replaced by their reading, ``[READ, Known]``. What stays is the compact arrays, the
+lists of the allocations still live, the segments and the distinct frames. Should a file refer
+again to a list forgotten (no torch file seen does), it is read again forgetting nothing
+(``prune_frames=False``).
 
 First view: when the first list of events is found, the segments before it are whole, and
 ``on_segments`` is called with them. ``progress(bytes_read, file_bytes)`` is called at each
@@ -29,6 +30,7 @@ from typing import Any, cast
 
 from memlab.snapshot.collect import READ, Collector, Frames
 from memlab.snapshot.memo import replace_memo
+from memlab.snapshot.tap import Tap
 from memlab.snapshot.unpickle import SafeUnpickler, SnapshotError, check_path
 
 #: Events are taken out of the loader every this many bytes of pickle.
@@ -57,39 +59,12 @@ def _call(f: Callable[..., object], *args: Any) -> object:
         raise _CallbackError(e) from e
 
 
-class _Tap:
-    """A file that calls ``hook`` after every ``every`` bytes read."""
-
-    def __init__(self, raw: Any, every: int) -> None:
-        self.raw, self.every, self.next = raw, every, every
-        self.read_bytes = 0
-        self.hook: Any = None
-
-    def read(self, n: int = -1) -> bytes:
-        data: bytes = self.raw.read(n)
-        self.read_bytes += len(data)
-        if self.read_bytes >= self.next and self.hook is not None:
-            self.next = self.read_bytes + self.every
-            self.hook()
-        return data
-
-    def readinto(self, b: Any) -> int:
-        n: int = self.raw.readinto(b)
-        self.read_bytes += n
-        return n
-
-    def readline(self) -> bytes:
-        line: bytes = self.raw.readline()
-        self.read_bytes += len(line)
-        return line
-
-
 class _Drain:
     """Takes the events out of the loader: see the module's docstring."""
 
     def __init__(self, loader: SafeUnpickler, prune_frames: bool = True) -> None:
         self.loader = loader
-        self.tap: _Tap | None = None
+        self.tap: Tap | None = None
         self.every = EVERY
         self.next_forget = 0  # bytes read when the loader's memo is next made to forget
         self.first_trace = -1  # memo index of the first list of events
@@ -217,7 +192,7 @@ def stream(
         gzipped = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
         size = p.stat().st_size
-        tap = _Tap(gzip.GzipFile(fileobj=raw) if gzipped else raw, every or EVERY)
+        tap = Tap(gzip.GzipFile(fileobj=raw) if gzipped else raw, every or EVERY, str(p), size)
         loader = SafeUnpickler(tap, str(p))
         drain = _Drain(loader, prune_frames)
         drain.tap, drain.every = tap, every or EVERY
@@ -232,7 +207,8 @@ def stream(
             if drain.segments is None and on_segments is not None and isinstance(data, dict):
                 # no trace, or too small a file for a drain
                 _call(on_segments, data.get("segments") or [])
-            for t in data.get("device_traces") or [] if isinstance(data, dict) else []:
+            traces = data.get("device_traces") if isinstance(data, dict) else None
+            for t in traces if type(traces) is list else ():
                 if type(t) is list and id(t) not in drain.traces:  # too short to be seen yet
                     drain.traces[id(t)] = (t, Collector(drain.frames))
             drain._take()  # the events after the last hook
@@ -263,4 +239,13 @@ def stream(
             "a file written by torch.cuda.memory._dump_snapshot."
         )
     traces = data.get("device_traces") or []
+    odd = [t for t in (traces if type(traces) is list else [traces]) if type(t) is not list]
+    if odd:
+        kind = type(odd[0]).__name__
+        raise SnapshotError(
+            f"{p} is not laid out as a memory snapshot (device_traces "
+            f"{'holds' if type(traces) is list else 'is'} {'an' if kind[0] in 'aeiou' else 'a'} "
+            f"{kind}, not a list of events per device): pass a file written by "
+            "torch.cuda.memory._dump_snapshot."
+        )
     return data, {i: drain.traces[id(t)][1] for i, t in enumerate(traces)}, drain.frames
