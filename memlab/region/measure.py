@@ -17,6 +17,7 @@ from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.recorder import Phase, Recorder
+from memlab.region.args import called, check_flag, check_label, watched, weak_refs
 from memlab.region.assemble import assemble
 from memlab.reports.report import MemoryReport, Reports
 
@@ -57,13 +58,15 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         ledger: Ledger | None = None,
     ) -> None:
         self.targets: list[Target] = resolve(device)
-        self.breakdown = breakdown
-        self.timeline = timeline
-        self.reset_peak = reset_peak
-        self.driver = driver
-        self.label = label
-        self._watch = watch if callable(watch) else _weak_list(watch)
-        self._inputs = _weak_list(inputs)
+        self.breakdown = check_flag("breakdown", breakdown)
+        self.timeline = check_flag("timeline", timeline)
+        self.reset_peak = check_flag("reset_peak", reset_peak)
+        self.driver = check_flag("driver", driver)
+        self.label = check_label(label)
+        self._watch = watched(watch)
+        self._inputs = weak_refs("inputs", inputs, (torch.Tensor,), "tensors")
+        if ledger is not None and not isinstance(ledger, Ledger):
+            raise TypeError("memlab.track: ledger is not a memlab Ledger: leave it out.")
         self._ledger = ledger if ledger is not None else default_ledger()
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder] = {}
@@ -183,7 +186,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             acc.labelled = outer
 
     def _watched(self) -> Iterable[Any]:
-        return self._watch() if callable(self._watch) else _alive(self._watch)
+        return called(self._watch) if callable(self._watch) else _alive(self._watch)
 
     # -- results --------------------------------------------------------------------------------
     @property
@@ -215,18 +218,6 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             timeline=self.timeline,
             driver=self.driver,
         )
-
-
-def _weak_list(objects: Iterable[Any]) -> list[weakref.ref[Any]]:
-    refs = []
-    for obj in objects:
-        try:
-            refs.append(weakref.ref(obj))
-        except TypeError as e:
-            raise TypeError(
-                f"memlab.track can only watch tensors, modules and optimizers, not {type(obj)!r}."
-            ) from e
-    return refs
 
 
 def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:

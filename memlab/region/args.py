@@ -1,0 +1,76 @@
+"""What ``memlab.track`` accepts, checked when it is made: an error names the argument, what it
+got and what to pass, rather than a region that misreads it (``breakdown="no"`` is true; a
+model passed as ``watch`` is callable, and was called as if it were a function)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+#: What a region can watch: tensors, modules and optimizers.
+WATCHABLE = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _what(value: Any) -> str:
+    """``value`` described by its type (never by its own ``__repr__``)."""
+    kind = type(value).__name__
+    return f"{'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}"
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``True``/``False`` (0 and 1 too); anything else is a TypeError naming ``name``."""
+    if type(value) in (bool, np.bool_) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"memlab.track: {_given(name, value)}: pass True or False.")
+
+
+def check_label(value: Any) -> str | None:
+    if value is None or type(value) is str:
+        return value
+    raise TypeError(f"memlab.track: {_given('label', value)}: pass a str, or None.")
+
+
+def _given(name: str, value: Any) -> str:
+    """``name=value is a kind`` where the value is plain, ``name is a kind`` otherwise."""
+    if type(value) in (str, int, float):
+        return f"{name}={repr(value)[:60]} is {_what(value)}"
+    return f"{name} is {_what(value)}"
+
+
+def weak_refs(name: str, objects: Any, kinds: tuple[type, ...], what: str) -> list[Any]:
+    """Weak references to ``objects`` (one of ``kinds`` alone, or an iterable of them)."""
+    if issubclass(type(objects), kinds):
+        objects = [objects]
+    elif not isinstance(objects, Iterable) or isinstance(objects, (str, bytes)):
+        raise TypeError(f"memlab.track: {name} is {_what(objects)}: pass a list of {what}.")
+    refs = []
+    for i, obj in enumerate(objects):
+        if not issubclass(type(obj), kinds):
+            raise TypeError(f"memlab.track: {name}[{i}] is {_what(obj)}: pass {what} only.")
+        refs.append(weakref.ref(obj))
+    return refs
+
+
+def watched(value: Any) -> Callable[[], Iterable[Any]] | list[weakref.ref[Any]]:
+    """A function that returns what to watch (called at the start and at the end), or weak
+    references to the tensors, modules and optimizers given. A module is callable, but it is
+    watched, not called."""
+    if callable(value) and not issubclass(type(value), WATCHABLE):
+        fn: Callable[[], Iterable[Any]] = value
+        return fn
+    return weak_refs("watch", value, WATCHABLE, "tensors, modules and optimizers")
+
+
+def called(fn: Callable[[], Any]) -> Iterable[Any]:
+    """What a ``watch`` function returned, if it is something to iterate over."""
+    found = fn()
+    if isinstance(found, Iterable) and not isinstance(found, (str, bytes)):
+        return found
+    raise TypeError(
+        f"memlab.track: the watch function returned {_what(found)}: return a list of tensors, "
+        "modules and optimizers."
+    )
