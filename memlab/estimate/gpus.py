@@ -109,8 +109,12 @@ def parse(spec: str, option: str = "gpu") -> GPU:
     if _SIZE.match(spec):
         try:
             return _sized(spec)
-        except ValueError as e:
-            raise ValueError(f"{option} got {spec!r}: {e} Pass a larger size.") from None
+        except ValueError:
+            raise ValueError(
+                f"{option} got {spec!r}: a GPU that small leaves nothing after the CUDA context "
+                f"({CONTEXT // MiB} MiB). Pass a larger size, such as 24GiB, or a name such as "
+                "H100."
+            ) from None
     found = _named(spec, option)
     if found is not None:
         return found
