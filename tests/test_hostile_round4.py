@@ -330,6 +330,8 @@ case("track-inputs-an-int", T.format("inputs=[5]"),
      memlab_error("inputs[0]", "an int", "tensors"))  # fmt: skip
 case("track-watch-returns-an-int", T.format("watch=lambda: 5"),
      memlab_error("watch function returned an int", "list of tensors"))  # fmt: skip
+case("track-ledger-an-int", T.format("ledger=5"),
+     memlab_error("ledger must be a memlab Ledger or None, got int", "leave it out"))  # fmt: skip
 
 # -- %gpumem_auto's line ---------------------------------------------------------------------------
 case("auto-on-a-stray-word", "%gpumem_auto on cpu", usage("'cpu'", "-d cpu"),

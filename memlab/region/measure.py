@@ -66,7 +66,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._watch = watched(watch)
         self._inputs = weak_refs("inputs", inputs, (torch.Tensor,), "tensors")
         if ledger is not None and not isinstance(ledger, Ledger):
-            raise TypeError("memlab.track: ledger is not a memlab Ledger: leave it out.")
+            raise TypeError(
+                f"memlab.track: ledger must be a memlab Ledger or None, got "
+                f"{type(ledger).__name__}: leave it out to use the default one."
+            )
         self._ledger = ledger if ledger is not None else default_ledger()
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder] = {}
