@@ -311,14 +311,22 @@ def test_sparse_tensors_in_a_graph_are_counted_by_values_and_indices() -> None:
     assert {x.kind for x in node.saved} == {"activation", "parameter"}
 
 
-def test_a_sparse_tensor_that_cannot_be_read_is_noted_not_counted() -> None:
+def test_a_sparse_tensor_not_coalesced_is_read_as_it_is() -> None:
     u = torch.sparse_coo_tensor(
         torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
-    ).requires_grad_()  # not coalesced
+    ).requires_grad_()  # not coalesced: read by its own indices and values, not a copy
     y = torch.sparse.mm(u, torch.randn(2, 2, requires_grad=True))
     g = memlab.graph_of(y)
-    assert [s.kind for n in g.nodes for s in n.saved] == ["unread", "parameter"]
-    assert "1 saved tensor(s) not counted" in g.notes[-1]
+    assert [s.kind for n in g.nodes for s in n.saved] == ["parameter", "parameter"]
+    assert not any("not counted" in n for n in g.notes)
+    assert not u.is_coalesced()
+
+
+def test_a_tensor_without_storage_is_noted_not_counted() -> None:
+    a, b = (torch.randn(2, 2).to_mkldnn().requires_grad_() for _ in range(2))
+    g = memlab.graph_of(a * b)  # MKL-DNN tensors: opaque, no storage to read
+    assert [s.kind for n in g.nodes for s in n.saved] == ["unread", "unread"]
+    assert "2 saved tensor(s) not counted" in g.notes[-1] and "MKL-DNN" in g.notes[-1]
 
 
 def test_a_model_with_a_sparse_weight() -> None:

@@ -186,16 +186,14 @@ def test_containers_are_read_through_their_base_class_and_keys_without_repr() ->
 
 def test_the_report_counts_what_it_skipped() -> None:
     out, expected = one_forward()
-    sparse = torch.sparse_coo_tensor(
-        torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
-    )  # not coalesced: its values and indices cannot be read without a copy
-    namespace = {"a": OwnDictProperty(), "b": OwnDictProperty(), "s": sparse, "out": out}
+    opaque = torch.randn(2, 2).to_mkldnn()  # no storage to read
+    namespace = {"a": OwnDictProperty(), "b": OwnDictProperty(), "s": opaque, "out": out}
     report = find_retained(namespace)
     assert report.total == expected
     assert report.notes == (
         "skipped 2 object(s) whose attributes could not be read (their code was not run)",
-        "skipped 1 tensor(s) whose storage could not be read (a sparse tensor that is not "
-        "coalesced, a tensor without storage): not counted",
+        "skipped 1 tensor(s) whose storage could not be read (a tensor without storage, as an "
+        "MKL-DNN one): not counted",
     )
     assert "skipped 2 object(s)" in str(report) and "skipped 2 object(s)" in report._repr_html_()
     assert report.to_dict()["notes"] == list(report.notes)
@@ -290,9 +288,7 @@ def test_names_that_are_not_strings_and_private_names_are_ignored() -> None:
 
 def test_the_magic_survives_a_hostile_namespace(ip: Any) -> None:
     ip.user_ns.update({k: make() for k, make in HOSTILE.items()})
-    ip.user_ns["uncoalesced"] = torch.sparse_coo_tensor(
-        torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
-    )
+    ip.user_ns["opaque"] = torch.randn(2, 2).to_mkldnn()  # no storage to read
     assert run(ip, "w = torch.randn(64, 64, requires_grad=True)\nouts = []").success
     assert run(
         ip, "for _ in range(3):\n    outs.append(torch.relu(torch.randn(8, 64) @ w))"
@@ -312,13 +308,23 @@ def test_the_magic_survives_a_hostile_namespace(ip: Any) -> None:
 
 
 def test_the_graph_of_an_unreadable_tensor_is_still_looked_at() -> None:
+    u = torch.randn(2, 2).to_mkldnn().requires_grad_()  # no storage to read
+    v = u * torch.tensor(3.0)  # an MKL-DNN tensor too; its graph saved the 0-d float factor
+    report = find_retained({"v": v})
+    assert [(i.name, i.bytes) for i in report.items] == [("v", 4)]
+    assert report.notes[0].startswith("skipped 1 tensor(s) whose storage could not be read")
+
+
+def test_a_sparse_tensor_not_coalesced_is_read_as_it_is() -> None:
     u = torch.sparse_coo_tensor(
         torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, 2.0]), (2, 2), check_invariants=False
     ).requires_grad_()
     v = u * torch.tensor(3.0)  # not coalesced either; its graph saved the 0-d float factor
+    assert not v.is_coalesced()
     report = find_retained({"v": v})
     assert [(i.name, i.bytes) for i in report.items] == [("v", 4)]
-    assert report.notes[0].startswith("skipped 1 tensor(s) whose storage could not be read")
+    assert report.notes == ()  # its indices and values were read, without coalescing it
+    assert not v.is_coalesced()
 
 
 class Slotted:

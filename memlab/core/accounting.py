@@ -25,7 +25,7 @@ from memlab.core.ledger import Ledger, storage_of
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
 from memlab.core.roles import Roles
-from memlab.core.storages import op_tensors
+from memlab.core.storages import op_tensors, sparse_parts
 from memlab.core.warmup import warm_up
 
 
@@ -132,6 +132,8 @@ class Accountant(Roles):
             for a in tensors:
                 st = storage_of(a)
                 if st is None:
+                    for part in sparse_parts(a):  # a sparse tensor: its indices and values
+                        self.ledger.existing(part, part.untyped_storage())
                     continue
                 entry = self.ledger.existing(a, st)
                 if self.breakdown:
@@ -149,6 +151,9 @@ class Accountant(Roles):
                 st = storage_of(t)
                 if st is not None:
                     self.ledger.produced(t, st, started)
+                else:  # a sparse tensor: its indices and values hold its bytes
+                    for part in sparse_parts(t):
+                        self.ledger.produced(part, part.untyped_storage(), started)
             if self.breakdown and not self._sweep_queued:
                 node = _torch.current_autograd_node()
                 if node is not None:  # the first op of a backward pass

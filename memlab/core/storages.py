@@ -82,6 +82,31 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+#: The tensors that hold a sparse tensor's bytes, by layout. A COO tensor's by ``_indices`` and
+#: ``_values``: they read a tensor not yet coalesced as it is (``indices()`` refuses one).
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors that hold a sparse tensor's bytes (its indices and values), which
+    have the storages a sparse tensor itself has none of; [] for any other tensor. Asked only
+    where `storage_of` found no storage, so a dense tensor's op pays nothing for it."""
+    try:
+        names = _SPARSE_PARTS.get(t.layout)
+        if names is None:
+            return []
+        with torch.no_grad():  # reading the parts of a tensor that requires grad adds no node
+            return [getattr(t, n)() for n in names]
+    except Exception:  # a subclass's own layout or error: nothing to follow
+        return []
+
+
 class StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a storage that knows its ledger key."""
 

@@ -204,8 +204,8 @@ def _build(
         built[i] = Node(i, type(n).__name__, module, total, tuple(saved), inputs, leaf_name)
     if unread:
         notes += (
-            f"{unread} saved tensor(s) not counted: their bytes cannot be read without changing "
-            "them (a sparse tensor that is not coalesced, or a tensor without storage)",
+            f"{unread} saved tensor(s) not counted: their bytes cannot be read (a tensor "
+            "without storage, as an MKL-DNN one)",
         )
     root_ids = tuple(dict.fromkeys(index[id(r)] for r in roots))
     nodes_out = tuple(built[i] for i in range(len(nodes)))

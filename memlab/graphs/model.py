@@ -16,7 +16,7 @@ from memlab.reports.units import fmt_bytes
 #: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
 #: earliest node that saved it), memory another node already accounts for (shared), memory
 #: that exists anyway (parameter or buffer, an input of the forward), and memory whose bytes
-#: cannot be read without changing it (unread: a sparse tensor not coalesced; not counted).
+#: cannot be read (unread: a tensor without storage, as an MKL-DNN one; not counted).
 KINDS = ("activation", "shared", "parameter", "input", "unread")
 
 

@@ -8,16 +8,9 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
+from memlab.core.storages import sparse_parts
 
 _NAMES: dict[type, tuple[str, ...]] = {}
-#: The tensors that hold a sparse tensor's bytes, by layout (public accessors only).
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("indices", "values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
 
 
 class GraphFreedError(RuntimeError):
@@ -45,18 +38,15 @@ def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def storages(t: torch.Tensor) -> tuple[Any, ...] | None:
     """The untyped storages that hold ``t``'s bytes: its one storage, or a sparse tensor's
-    indices and values. None where they cannot be read without changing anything (a sparse COO
-    tensor that is not coalesced, a tensor subclass or layout without storage)."""
+    indices and values (a COO tensor's as they are, coalesced or not). None where there is no
+    storage to read (a tensor subclass or layout without one)."""
     try:
         layout = t.layout
         if layout == torch.strided:
             return (t.untyped_storage(),)
-        parts = _SPARSE_PARTS.get(layout)
-        if parts is None:
+        parts = sparse_parts(t)
+        if not parts:
             return (t.untyped_storage(),)
-        if layout == torch.sparse_coo and not t.is_coalesced():
-            return None  # its values and indices are private to torch until coalesced
-        with torch.no_grad():  # reading the parts of a tensor that requires grad adds no node
-            return tuple(getattr(t, p)().untyped_storage() for p in parts)
+        return tuple(p.untyped_storage() for p in parts)
     except Exception:  # NotImplementedError (no storage), RuntimeError, a subclass's own error
         return None

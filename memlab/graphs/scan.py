@@ -44,8 +44,8 @@ _PLAIN_KEYS = (str, int, float, bool, type(None))
 REASONS = {
     "attributes": "object(s) whose attributes could not be read (their code was not run)",
     "container": "container(s) that could not be iterated",
-    "tensor": "tensor(s) whose storage could not be read (a sparse tensor that is not "
-    "coalesced, a tensor without storage): not counted",
+    "tensor": "tensor(s) whose storage could not be read (a tensor without storage, as an "
+    "MKL-DNN one): not counted",
     "node": "autograd node(s) whose saved tensors could not be read",
     "items": "container item(s) past the first {max_items:,} of a container (not looked at)",
     "objects": "object(s) not looked at: the scan stops after {max_objects:,} objects",
