@@ -228,6 +228,37 @@ def test_a_training_step_that_does_not_fit_gets_amp_and_accumulation(ip: Any) ->
     assert "del x" not in text  # x is saved for backward: not the user's to drop
 
 
+def test_a_lost_op_withholds_the_verdict(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the bookkeeping fail on one of the cell's ops (a bug of memlab's own, simulated
+    by a replay that raises on the first allocation it is told of), the replay misses that
+    allocation: the pre-flight says it has no verdict, never "fits"."""
+    from memlab.estimate.preflight import Flight
+
+    told = Flight.on_alloc
+    calls = []
+
+    def fails_once(self: Any, serial: int, delta: int, when: float) -> None:
+        calls.append(delta)
+        if len(calls) == 1:
+            raise RuntimeError("the replay's own bug")
+        told(self, serial, delta, when)
+
+    monkeypatch.setattr(Flight, "on_alloc", fails_once)
+    cell = "%%gpumem --gpu 1GiB -o pf\nbig = torch.empty(900 * 2**20 // 4)\nd = 1\n"
+    r = run(ip, cell)
+    assert r.success and ip.user_ns["d"] == 1  # the cell's own outcome is untouched
+    pf = ip.user_ns["pf"]
+    assert pf.lost == 1 and not pf.fits and pf.to_dict()["lost"] == 1
+    text = _preflight_text(ip)
+    assert "NO VERDICT: memlab failed to follow 1 op(s)" in text and ": fits" not in text
+    assert any(
+        "the replay&#x27;s own bug" in h or "the replay's own bug" in h for h in ip.rec.reports()
+    )
+    monkeypatch.undo()
+    assert run(ip, cell).success and ip.user_ns["pf"].lost == 0  # followed again: a verdict
+    assert ip.user_ns["pf"].oom is not None  # 900 MiB on a card with 512 MiB usable
+
+
 def test_bad_gpu_option_is_a_usage_error(ip: Any) -> None:
     with pytest.raises(UsageError, match=r"%gpumem --gpu got 'X4': pass one of T4"):
         ip.run_cell_magic("gpumem", "--gpu X4", "1")

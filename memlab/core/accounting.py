@@ -56,6 +56,8 @@ class Accountant(Roles):
         self.ledger = ledger
         self.breakdown = breakdown
         self.errors: list[str] = []
+        #: Ops whose tensors the bookkeeping failed to take in (their bytes may be missing).
+        self.lost = 0
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: id -> (weak reference, storage id) of each leaf the dispatch path remembered.
         self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -141,6 +143,7 @@ class Accountant(Roles):
                     if a.requires_grad and a.is_leaf:
                         self._remember_leaf(a, st)
         except Exception as e:  # never break the user's op for our bookkeeping
+            self.lost += 1
             self._error(e)
 
     def see_outputs(self, out: Any, started: float) -> None:
@@ -161,6 +164,7 @@ class Accountant(Roles):
                     self._remember_leaves_of(node)
                     _torch.queue_backward_callback(self._after_backward)
         except Exception as e:
+            self.lost += 1
             self._error(e)
 
     def _error(self, e: Exception, what: str = "") -> None:

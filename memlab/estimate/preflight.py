@@ -90,13 +90,14 @@ class Flight:
             self.ledger.attach(self)
         self._modes.enter_context(redirected(self.device))
 
-    def stop(self, raised: str | None = None) -> Preflight:
-        """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end."""
+    def stop(self, raised: str | None = None, lost: int = 0) -> Preflight:
+        """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end;
+        ``lost``: ops whose tensors the accounting failed to take in (the verdict is withheld)."""
         try:
             self.ledger.detach(self)
         finally:
             self._modes.close()
-        return dataclasses.replace(self.result(), raised=raised)
+        return dataclasses.replace(self.result(), raised=raised, lost=lost)
 
     # -- ledger callbacks ------------------------------------------------------------------------
     def on_alloc(self, serial: int, delta: int, when: float) -> None:

@@ -92,13 +92,13 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
-            self._oom.land(flight, opts, self.sh, e)
+            self._oom.land(flight, opts, self.sh, e, region.lost)
             self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
             self._publish(region, opts)
             without_memlab(e)
             release(e)
             raise
-        self._oom.land(flight, opts, self.sh)
+        self._oom.land(flight, opts, self.sh, lost=region.lost)
         if cell is None:  # the line form returns its value, like %time
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None

@@ -33,13 +33,20 @@ class OOMHooks:
         except ValueError as e:
             raise UsageError(f"%gpumem {e}") from None
 
-    def land(self, flight: Any, opts: Any, shell: Any, raised: BaseException | None = None) -> None:
+    def land(
+        self,
+        flight: Any,
+        opts: Any,
+        shell: Any,
+        raised: BaseException | None = None,
+        lost: int = 0,
+    ) -> None:
         """The pre-flight's verdict, shown before the cell's report (and its traceback), and
-        kept in ``-o NAME``."""
+        kept in ``-o NAME``; ``lost``: ops the accounting failed to take in (no verdict)."""
         if flight is None:
             return
         try:
-            result = flight.stop(None if raised is None else type(raised).__name__)
+            result = flight.stop(None if raised is None else type(raised).__name__, lost)
         except Exception as e:  # never hide the cell's own outcome behind ours
             print(f"memlab: no pre-flight for this cell: {e}.")
             return

@@ -203,6 +203,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         return self._reports
 
     @property
+    def lost(self) -> int:
+        """How many ops the tensor accounting failed to take in (their bytes may be missing
+        from the figures; the report's notes say why); 0 without accounting."""
+        return self._accountant.lost if self._accountant is not None else 0
+
+    @property
     def report(self) -> MemoryReport:
         """The report of the first (usually the only) device."""
         return self.reports[0]

@@ -251,12 +251,23 @@ class Preflight(Result):
     oom: OOMExplanation | None = None
     #: What the cell raised, if it did not run to its end (the verdict covers it up to there).
     raised: str | None = None
+    #: Ops whose tensors the accounting failed to take in: the replay may miss allocations or
+    #: frees, so no verdict is given (the cell's report notes say why).
+    lost: int = 0
 
     @property
     def fits(self) -> bool:
-        return self.oom is None
+        """True only when the replay saw every op and none ran out of memory."""
+        return self.oom is None and not self.lost
 
     def headline(self) -> str:
+        if self.lost:
+            return (
+                f"pre-flight on {self.gpu}: NO VERDICT: memlab failed to follow {self.lost} "
+                f"op(s) of this cell (the report's notes say why), so it cannot say whether the "
+                f"cell fits · peak reserved seen {fmt_bytes(self.peak_reserved)} of "
+                f"{fmt_bytes(self.usable)} usable"
+            )
         if self.oom is None:
             fits = "fits" if self.raised is None else f"fits up to where it raised {self.raised}"
             return (
@@ -272,9 +283,12 @@ class Preflight(Result):
 
     def text(self) -> str:
         # the explanation under the verdict, without a second headline saying the same
-        return self.headline() + ("" if self.oom is None else "\n" + self.oom.body_text())
+        shown = self.oom is not None and not self.lost
+        return self.headline() + ("\n" + self.oom.body_text() if shown and self.oom else "")
 
     def html(self) -> str:
+        if self.lost:
+            return warning(self.headline())
         if self.oom is None:
             return heading(self.headline(), "allocator model; the cell ran on the CPU")
         return f"{warning(self.headline())}\n{self.oom.body_html()}"
@@ -288,6 +302,7 @@ class Preflight(Result):
             "peak_reserved": self.peak_reserved,
             "oom": None if self.oom is None else self.oom.to_dict(),
             "raised": self.raised,
+            "lost": self.lost,
         }
 
 
