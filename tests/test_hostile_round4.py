@@ -339,6 +339,13 @@ case("auto-on-a-stray-word", "%gpumem_auto on cpu", usage("'cpu'", "-d cpu"),
 case("auto-on-a-label", "%gpumem_auto on -d cpu -l mine", usage("'mine'", "-d, -b"))
 case("auto-off-with-words", "%gpumem_auto off now", usage("off", "'now'"))
 
+# -- the line form's options ------------------------------------------------------------------
+case("line-help-after-options", "%gpumem -d cpu --help",
+     usage("unrecognized option --help", "%gpumem?", "%gpumem (--help)"))  # fmt: skip
+case("line-unknown-long-option", "%gpumem --gpus T4 y = 1",
+     usage("unrecognized option --gpus", "%gpumem?"))  # fmt: skip
+case("line-negation-in-brackets", "%gpumem -d cpu (-torch.ones(2)).sum()", value("tensor(-2.)"))
+
 
 # -- running them ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")

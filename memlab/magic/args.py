@@ -212,6 +212,12 @@ def parse_statement_line(line: str) -> tuple[Options, str]:
     statement = line[pos:].strip()
     if expecting_value:
         raise UsageError(f"%gpumem: option {tokens[-1]} needs a value.")
+    first = statement.split(maxsplit=1)[0] if statement else ""
+    if first == "-h" or re.fullmatch(r"--[A-Za-z][\w-]*", first):  # meant as an option
+        raise UsageError(
+            f"%gpumem: unrecognized option {first}. See %gpumem? for the options "
+            f"(to measure the expression itself, put it in brackets: %gpumem ({first}))."
+        )
     ns = PARSER.parse_args(_joined(tokens))
     if not statement:
         raise UsageError(
