@@ -308,6 +308,15 @@ for name, traces, said in (("ints", "[5, 6]", "holds an int"), ("a-dict", "{'a':
         f"memlab.load_snapshot(_pickled('{name}', {{'segments': [], 'device_traces': {traces}}}))",
         memlab_error("not laid out", f"device_traces {said}", "list of events per device"),
     )
+for name, when in (("nan", "float('nan')"), ("inf", "float('inf')")):
+    case(
+        f"snapshot-time-{name}",
+        "memlab.load_snapshot(_pickled('t', {'segments': [], 'device_traces': [[{'action': "
+        f"'alloc', 'addr': 1, 'size': 512, 'stream': 0, 'time_us': {when}}}]]}}))",
+        memlab_error(
+            "not laid out as a memory snapshot", "time_us is not a finite", "_dump_snapshot"
+        ),
+    )
 case(
     "snapshot-decompression-bomb",
     # memory falls 256 MiB at each look, as a bomb's would: the reading stops at a quarter left

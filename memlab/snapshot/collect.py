@@ -20,6 +20,7 @@ from memlab.snapshot.trace import (
     phase_of,
     source_line,
 )
+from memlab.snapshot.unpickle import SnapshotError
 
 
 class Known(tuple[int, int]):
@@ -141,11 +142,18 @@ class Collector:
         untraced = sum(size for addr, size in live_end.items() if addr not in self.live)
         before = self.unmatched + untraced
         reserved_end = sum(int(s.get("total_size", 0)) for s in mine)
+        times = _view(self.times, np.float64)
+        if self.timed and not np.isfinite(times).all():
+            raise SnapshotError(
+                "the snapshot is not laid out as a memory snapshot (an event's time_us is not "
+                "a finite number of microseconds: nan or inf): pass a file written by "
+                "torch.cuda.memory._dump_snapshot."
+            )
         totals, reserved = _view(self.rel, np.int64), _view(self.reserved, np.int64)
         totals += before
         reserved += reserved_end - self.res
         return Trace(
-            times=_view(self.times, np.float64),
+            times=times,
             totals=totals,
             groups=_view(self.groups, np.int8),
             deltas=_view(self.deltas, np.int64),
