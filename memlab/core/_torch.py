@@ -92,8 +92,7 @@ def has_kernel(op_name: str, key: str) -> bool:
 
 
 def destroy_library(library: torch.library.Library) -> None:
-    """Removes the kernels a ``torch.library.Library`` registered (there is no public call).
-    Checked 2.4.1, 2.11, 2.13."""
+    """Removes the kernels a ``torch.library.Library`` registered (no public call). 2.4.1-2.13."""
     library._destroy()
 
 
@@ -117,13 +116,14 @@ def record_memory_history(on: bool = True, max_entries: int = 1_000_000) -> None
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-# The native fused ops the estimator emulates on meta as a GPU runs them. Checked 2.4.1-2.13.
+# Ops the estimator runs on meta as GPUs do (fused ones; log_softmax's backward). 2.4.1-2.13.
 native_multi_head_attention: Any = torch._native_multi_head_attention
 transformer_encoder_layer_fwd: Any = torch._transformer_encoder_layer_fwd
 flash_attention: Any = aten._scaled_dot_product_flash_attention
 efficient_attention: Any = aten._scaled_dot_product_efficient_attention
 efficient_attention_backward: Any = aten._scaled_dot_product_efficient_attention_backward
 addmm_activation: Any = aten._addmm_activation
+log_softmax_backward: Any = aten._log_softmax_backward_data
 #: Op names (as dispatch sees them) of the attention kernels' forwards.
 FLASH_ATTENTION = "_scaled_dot_product_flash_attention"
 EFFICIENT_ATTENTION = "_scaled_dot_product_efficient_attention"

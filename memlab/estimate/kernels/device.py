@@ -8,6 +8,11 @@
   scalar compute the unreduced loss in their output and then shrink it (``resize_``), on the CPU
   and on CUDA alike: the scalar keeps a storage of the input's size for as long as the loss lives.
   PyTorch's meta kernels return a fresh 4-byte scalar.
+- ``native_layer_norm_backward`` and ``_log_softmax_backward_data`` write the input's gradient
+  into a contiguous tensor on the CPU and on CUDA (``empty_like`` of the contiguous input;
+  ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``); their meta kernels follow a strided gradient's layout
+  (a LayerNorm over a transposed convolution's output: Swin, SegFormer, Wav2Vec2, ConvNeXt),
+  and the ``view`` that follows in backward then copies it on meta alone.
 
 Found by tests/test_estimate_sweep.py, which holds a meta run to a real CPU run layer by layer.
 """
@@ -47,6 +52,32 @@ def _bce(input: torch.Tensor, target: torch.Tensor, weight: Any = None, reductio
     return _reduced(input, target, reduction)
 
 
+def _layer_norm_backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    shape: Any,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mask: Any,
+) -> Any:
+    """The input's gradient contiguous and first, then the weight's and the bias's as meta
+    makes them (the order of the devices' kernels)."""
+    dx = torch.empty(input.shape, dtype=input.dtype, device=input.device) if mask[0] else None
+    rest = aten.native_layer_norm_backward.default(
+        grad_out, input, shape, mean, rstd, weight, bias, [False, mask[1], mask[2]]
+    )
+    return dx, rest[1], rest[2]
+
+
+def _log_softmax_backward(
+    grad: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype
+) -> Any:
+    half = grad.dtype == torch.float32 and input_dtype == torch.float16  # CUDA's half_to_float
+    return torch.empty(grad.shape, dtype=input_dtype if half else grad.dtype, device=grad.device)
+
+
 def _mish_backward(grad_output: torch.Tensor, input: torch.Tensor) -> Any:
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
@@ -60,6 +91,8 @@ KERNELS: dict[Any, Callable[..., Any]] = {
     aten.smooth_l1_loss.default: _smooth_l1,
     aten.binary_cross_entropy.default: _bce,
     aten.soft_margin_loss.default: _reduced,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
+    _torch.log_softmax_backward.default: _log_softmax_backward,
 }
 #: The ops whose meta call runs their composite formula: a dispatch mode never sees them.
 COMPOSITE = {"mish_backward": _mish_backward, "native_channel_shuffle": _channel_shuffle}
