@@ -19,16 +19,30 @@ from memlab.step.config import WhatIfError
 
 def blocks(model: nn.Module) -> list[str]:
     """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
-    children (two or more) are all of one type. Nested repeats inside a block are left alone."""
+    children (two or more) are all of one type, or of one family (`_one_family`: a hybrid
+    stack's attention and Mamba layers). Nested repeats inside a block are left alone."""
     found: list[str] = []
     for path, module in model.named_modules():
         if any(path.startswith(f + ".") for f in found):
             continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.named_children())
-            if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+            if len(children) >= 2 and _one_family([c for _, c in children]):
                 found += [f"{path}.{n}" if path else n for n, _ in children]
     return found
+
+
+def _one_family(modules: list[nn.Module]) -> bool:
+    """Whether the modules are of one type, or share a base class of their own beyond torch's
+    (Hugging Face's ``GradientCheckpointingLayer`` under Jamba's or Qwen3-Next's Mamba and
+    attention layers; a user's ``Block`` under its kinds of block)."""
+    kinds = {type(m) for m in modules}
+    if len(kinds) == 1:
+        return True
+    shared = set.intersection(*(set(k.__mro__) for k in kinds))
+    return any(
+        issubclass(c, nn.Module) and c.__module__.partition(".")[0] != "torch" for c in shared
+    )
 
 
 @dataclass(frozen=True)
@@ -119,8 +133,9 @@ def checkpointed(
     if not paths and not runs:
         raise WhatIfError(
             "checkpoint='auto' found nothing to checkpoint (a ModuleList or Sequential of "
-            "identical layers, or a Sequential whose layers repeat a pattern such as Linear, "
-            "ReLU): name the modules to checkpoint instead, e.g. checkpoint=('encoder',)."
+            "layers of one type or one base class of their own, or a Sequential whose layers "
+            "repeat a pattern such as Linear, ReLU): name the modules to checkpoint instead, "
+            "e.g. checkpoint=('encoder',)."
         )
     if spec == "auto":
         shown = paths[:2] + (["...", paths[-1]] if len(paths) > 3 else paths[2:])
