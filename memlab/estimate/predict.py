@@ -36,13 +36,13 @@ from memlab.estimate.redirect import (
     META,
     OrdinaryInputs,
     build_on_meta,
-    data_dependent,
     meta_device_module,
     redirected,
 )
 from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
 from memlab.estimate.toggles import allocator_for, lever_notes
+from memlab.estimate.values import data_dependent
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import linecache
 import sys
-import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -256,28 +253,3 @@ class OrdinaryInputs:
             return original(*args, **kw)
 
         return check
-
-
-def data_dependent(e: BaseException) -> str:
-    """What to tell a user whose code needed a tensor's values on ``meta`` (``.item()``,
-    ``if x.sum() > 0``, ``.tolist()``), naming their line."""
-    where = ""
-    for frame, line in reversed(list(traceback.walk_tb(e.__traceback__))):
-        name = frame.f_code.co_filename
-        if not any(name.startswith(d) for d in _LIBRARIES):
-            text = linecache.getline(name, line).strip()
-            where = f" at {name}, line {line}" + (f": {text}" if text else "")
-            break
-    return (
-        f"the step needs a tensor's values{where} ({type(e).__name__}: {str(e).splitlines()[0]})."
-        " An estimate runs on the meta device, where tensors have shapes but no values: make "
-        "that code not depend on values while estimating (e.g. `if not x.is_meta:` around it, "
-        "or a fixed number instead of `.item()`), or measure it on a real device with "
-        "memlab.whatif.run."
-    )
-
-
-#: Where library code lives: frames there are not the user's.
-_LIBRARIES = tuple(
-    str(Path(m.__file__).parent) for m in (torch, sys.modules["memlab"]) if m.__file__
-)
