@@ -53,12 +53,20 @@ class Recorder:
     """Listens to a ledger for one device between ``start()`` and ``stop()``."""
 
     def __init__(
-        self, ledger: Ledger, device: str, keep_events: bool, phase: Callable[[], int]
+        self,
+        ledger: Ledger,
+        device: str,
+        keep_events: bool,
+        phase: Callable[[], int],
+        since: int = 0,
     ) -> None:
         self.ledger = ledger
         self.device = device
         self.keep_events = keep_events
         self._phase = phase
+        #: Storages with a serial below it that the region never touches are left out of every
+        #: figure (`memlab.track`'s ``since``).
+        self.since = since
         self.before = self.current = self.peak = 0
         self._t0 = 0.0
         self._last = 0.0
@@ -138,20 +146,34 @@ class Recorder:
         if not self.keep_events:
             return Tally(self.before, after, self.peak, None, None, None, None, None, None)
         self._trim()
+        left_out = self._left_out(used)
+        before, after, peak = (x - sum(left_out.values()) for x in (self.before, after, self.peak))
         at_peak = at_end = highest = None
         if breakdown:
-            at_peak, at_end, highest = self._categories(used)
+            at_peak, at_end, highest = self._categories(used, left_out)
         totals: array[int] = array("q")
         times: array[float] = array("d")
         phases: array[int] = array("b")
-        running = self.before
+        running = before
         for i, kind in enumerate(self._kinds):
             if kind == _BYTES:
                 running += self._deltas[i]
                 totals.append(running)
                 times.append(self._times[i])
                 phases.append(self._phases[i])
-        return Tally(self.before, after, self.peak, at_peak, at_end, highest, times, totals, phases)
+        return Tally(before, after, peak, at_peak, at_end, highest, times, totals, phases)
+
+    def _left_out(self, used: Collection[int]) -> dict[int, int]:
+        """Bytes by serial of the storages below ``since`` that the region never touched (no
+        event, no mark, not read): alive, and the same size, from its start to its end."""
+        if not self.since:
+            return {}
+        touched = {*self._serials, *self._freed_role, *self._marks, *used}
+        return {
+            e.serial: e.nbytes
+            for e in self.ledger.entries(self.device)
+            if e.serial < self.since and e.serial not in touched
+        }
 
     def _trim(self) -> None:
         """Drops an event a Ctrl-C cut off half-logged (the event arrays appended one by one):
@@ -162,7 +184,7 @@ class Recorder:
             del a[n:]
 
     def _categories(
-        self, used: Collection[int]
+        self, used: Collection[int], left_out: dict[int, int]
     ) -> tuple[dict[Category, int], dict[Category, int], dict[Category, int]]:
         """Bytes per category at the peak, at the end, and the highest each reached.
 
@@ -179,7 +201,7 @@ class Recorder:
         ledger = self.ledger
         with ledger._lock:  # one consistent view: the total, the roles, the touched
             ledger.settle()
-            total = ledger.total(self.device)
+            total = ledger.total(self.device) - sum(left_out.values())
             # the ledger's own indexes (same floor): the touched by serial, and the few that
             # ever had a role or were saved for backward; no other live entry has either
             mine = [e for e in map(ledger._by_serial.get, touched) if e is not None]
@@ -195,7 +217,7 @@ class Recorder:
             # The untouched predate the region (a new storage has an event) and kept one role
             # throughout: their lasting one, else activation while saved, else other.
             for entry in special:
-                if entry.serial not in touched:
+                if entry.serial not in touched and entry.serial not in left_out:
                     role_of = entry.category or (Category.ACTIVATION if entry.saved else None)
                     if role_of is not None:
                         still[role_of] += entry.nbytes

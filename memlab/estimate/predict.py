@@ -43,10 +43,10 @@ from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
 from memlab.estimate.toggles import allocator_for, lever_notes
 from memlab.estimate.values import data_dependent
+from memlab.estimate.workspaces import Workspaces, workspace_note
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
-from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
 from memlab.step.model import config_of
 from memlab.step.ranks import one_process
@@ -90,13 +90,14 @@ def estimate(
     >>> e.fits(), e.peak_allocated, e.peak_reserved
     """
     config = config_of(config, settings).with_(device="meta", budget=None)
+    since = default_ledger().next_serial()
     one_process(config)  # one rank's share: per_rank(estimate, ...) divides this estimate
     card = find_gpu(gpu)
     if workspace is None:
         workspace = 0 if card is None else card.workspace
     listener = AllocatorListener(str(META), allocator_for(config, card), keep_events=trace)
     lt = 0 if card is None or not workspace else card.lt_workspace
-    workspaces = _Workspaces(listener, workspace, lt)
+    workspaces = Workspaces(listener, workspace, lt)
     units: list[int] = []
 
     def model_on_meta() -> Any:
@@ -125,7 +126,11 @@ def estimate(
         UNMEASURED.active = False  # measured: under memlab's dispatch mode on a GPU too
         listener.measuring(moment)
 
-    hooks = StepHooks(autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring)
+    # what the ledger knew before (an earlier estimate's model kept by a reference cycle) is
+    # on no simulated GPU: left out of the breakdown, as the allocator model leaves it out
+    hooks = StepHooks(
+        autocast=emulated, foreach=True, grad_scaler=False, on_measure=measuring, since=since
+    )
     ledger.attach(listener)
     try:
         sms = sms_of(card.name if card else None)
@@ -186,21 +191,6 @@ def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
         yield
 
 
-class _Workspaces:
-    """The cuBLAS workspaces a step takes, each once, kept for the process's life."""
-
-    def __init__(self, listener: AllocatorListener, size: int, lt_size: int) -> None:
-        self.listener, self.size, self.lt_size = listener, size, lt_size
-        self.taken: list[tuple[str, int]] = []
-
-    def take(self, key: str) -> None:
-        size = self.lt_size if key.endswith(" lt") else self.size
-        if size:
-            default_ledger().settle()  # the frees before it first, as on a GPU
-            self.listener.malloc(-1 - len(self.taken), size)
-            self.taken.append((key, size))
-
-
 def _parameter_bytes(module: Any) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -220,7 +210,7 @@ def _prediction(
     during = trace[start:end] or [before]
     after = during[-1]
     notes = [
-        _workspace_note(workspaces),
+        workspace_note(workspaces),
         NOT_MODELLED,
         "autocast emulated with CUDA's policy" if config.amp != "off" else "",
         *lever_notes(config),
@@ -287,14 +277,3 @@ def _predicted_timeline(
         phases=tuple(phase(seconds[i]) for i in keep),
         source=TimelineSource.ALLOCATOR_MODEL,
     )
-
-
-def _workspace_note(workspaces: tuple[tuple[str, int], ...]) -> str:
-    """ "includes cuBLAS workspaces: 32 MiB (forward), 1 MiB (cuBLASLt), 32 MiB (backward)"."""
-    if not workspaces:
-        return ""
-    parts = [
-        f"{fmt_bytes(size)} ({'cuBLASLt' if key.endswith(' lt') else key})"
-        for key, size in workspaces
-    ]
-    return f"includes cuBLAS workspaces: {', '.join(parts)}"

@@ -42,6 +42,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         them, or a function returning them (called at the start and at the end; the magic passes
         the notebook's variables this way). They are held weakly: the region keeps nothing alive.
     inputs: tensors to count as the region's inputs.
+    since: with a breakdown or a timeline, storages the ledger knew before this serial
+        (``ledger.next_serial()``) that the region never touches are left out of its figures
+        (the estimator's: a simulated GPU holds nothing from before the estimate).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         watch: Iterable[Any] | Callable[[], Iterable[Any]] = (),
         inputs: Iterable[torch.Tensor] = (),
         ledger: Ledger | None = None,
+        since: int = 0,
     ) -> None:
         self.targets: list[Target] = resolve(device)
         self.breakdown = check_flag("breakdown", breakdown)
@@ -71,6 +75,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 f"{type(ledger).__name__}: leave it out to use the default one."
             )
         self._ledger = ledger if ledger is not None else default_ledger()
+        self._since = since
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder] = {}
         self._cuda: dict[str, CudaRegion] = {}
@@ -97,7 +102,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                     acc.mark(t, Category.INPUT)
                 keep = self.breakdown or self.timeline
                 for target in self.targets:
-                    rec = Recorder(self._ledger, target.name, keep, acc.phase)
+                    rec = Recorder(self._ledger, target.name, keep, acc.phase, self._since)
                     self._recorders[target.name] = rec
             for target in self.targets:
                 if target.index is not None:

@@ -20,6 +20,7 @@ from memlab.core.ledger import default_ledger, device_key
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
+from memlab.step.leftovers import left_behind
 
 
 def resolve_device(spec: str | None) -> torch.device:
@@ -110,14 +111,15 @@ def optimizer_over(
 
 
 @contextlib.contextmanager
-def restored(model: nn.Module, weights: bool) -> Iterator[None]:
+def restored(model: nn.Module, weights: bool) -> Iterator[list[str]]:
     """Leave ``model`` as it was: modes, gradients, its parameters' and buffers' objects (a
     forward that rebinds a buffer, ``self.n = self.n + 1``, gets the original back),
     ``requires_grad``, and the buffers' values (a forward may update them in any mode); with
     ``weights`` (a training step), the parameters' values too. The gradients are taken off the
     parameters for the block (a backward would add into them in place) and put back as they
     were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
-    measures."""
+    measures. Yields a note on the models of earlier runs still alive beside it, if any
+    (`memlab.step.leftovers`)."""
     shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags and bindings
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
@@ -131,7 +133,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[None]:
     with torch.no_grad():  # a tied weight once; meta tensors hold no values
         values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
     try:
-        yield
+        yield left_behind(model)
     finally:
         for m, shape in shapes:  # the same parameter and buffer objects, bound as they were
             _reshape(m, shape)

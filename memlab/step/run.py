@@ -71,6 +71,8 @@ class StepHooks:
         clock starts, and "end" just after it.
     on_oom(error, config, device): an out-of-memory explained (`RunResult.explanation`), called
         before the failed step's tensors are released (the estimator's `run_levers` makes one).
+    since: the measured region leaves out the storages from before this ledger serial that it
+        never touches (`memlab.track`'s ``since``; an estimate's simulated GPU starts empty).
     """
 
     autocast: Autocast | None = None
@@ -78,6 +80,7 @@ class StepHooks:
     grad_scaler: bool = True
     on_measure: Callable[[str], None] | None = None
     on_oom: Callable[[BaseException, RunConfig, str], OOMExplanation | None] | None = None
+    since: int = 0
 
 
 def run(
@@ -154,7 +157,7 @@ def _run(
     on_host = off.make_optimizer if off.offload.optimizer else None
     with (
         quantized_base(model, config) as based,  # base_weights: before restored() sees them
-        restored(model, weights=training),
+        restored(model, weights=training) as left,  # and the earlier runs' models alive
         checkpointed(model, config.checkpoint, selective(config)) as chosen,
         stepping(model, config, hooks.foreach, on_host) as opt,
     ):
@@ -169,7 +172,7 @@ def _run(
         region: track | CompiledRegion = (  # a compiled step: measured without a dispatch mode
             CompiledRegion(device, config, model, opt)
             if config.compile
-            else track(device, breakdown=True, timeline=True, watch=[model])
+            else track(device, breakdown=True, timeline=True, watch=[model], since=hooks.since)
         )
         try:
             if config.warmup:
@@ -191,7 +194,7 @@ def _run(
                 kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept[1], kept[2]))
-            chosen += lever_notes(config, device) + based.notes + user.notes(config)
+            chosen += lever_notes(config, device) + based.notes + user.notes(config) + left
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
