@@ -26,7 +26,13 @@ from memlab.step.decoding import (
     model_output,
     within_positions,
 )
-from memlab.step.kvcache import cache_shape, cache_tensors, kv_cache_bytes, static_cache
+from memlab.step.kvcache import (
+    cache_shape,
+    cache_tensors,
+    held_bytes,
+    kv_cache_bytes,
+    static_cache,
+)
 from memlab.step.model import call, check_device
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
 from memlab.step.user import UserStep, refused_arguments, tensors_in
@@ -64,10 +70,13 @@ def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unsta
     model = user.model
     with torch.no_grad():
         # "cache" in newer transformers, which warn at the old name while they still take it
-        for name in ("cache", "past_key_values"):
-            if hasattr(model, "generate") and _takes(model, name):
-                return _hugging_face(model, prompt, config, mark, stage, name)
-        return _plain(model, prompt, config, mark, stage)
+        name = next((n for n in ("cache", "past_key_values") if _takes(model, n)), None)
+        if hasattr(model, "generate") and name is not None:
+            kept = _hugging_face(model, prompt, config, mark, stage, name)
+        else:
+            kept = _plain(model, prompt, config, mark, stage)
+    user.prefilled = kept.pop()  # the cache's bytes after the prefill, for the cache's note
+    return kept
 
 
 def _hugging_face(
@@ -89,6 +98,7 @@ def _hugging_face(
     with within_positions(model, config, given):
         with stage("prefill"):
             out = model_output(model(**kwargs, use_cache=True), model)
+        prefilled = held_bytes(cache_of(out))
         tokens = []
         for _ in range(config.new_tokens):
             cache = cache_of(out)
@@ -104,7 +114,7 @@ def _hugging_face(
                 out = model_output(model(**step), model)
     cache = cache_of(out)
     mark_cache(cache, mark)
-    return [tokens, cache, length]
+    return [tokens, cache, length, prefilled]
 
 
 def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage) -> list[Any]:
@@ -130,6 +140,7 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
             "for the prompt) and return (logits, cache)."
         ) from e
     out = _pair(first)
+    prefilled = held_bytes(out[1])
     tokens = []
     for _ in range(config.new_tokens):
         mark_cache(out[1], mark)
@@ -141,7 +152,7 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
             out = _pair(model(token, cache))
         del cache
     mark_cache(out[1], mark)
-    return [tokens, out[1], prompt.shape[1] + config.new_tokens]
+    return [tokens, out[1], prompt.shape[1] + config.new_tokens, prefilled]
 
 
 def _pair(out: Any) -> tuple[torch.Tensor, Any]:

@@ -27,10 +27,33 @@ def cache_shape(c: Any) -> tuple[int, int, int]:
     heads = _first(
         c, *(("decoder_attention_heads",) if two else ()), "num_attention_heads", "n_head"
     )
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    kv_heads = _kv_heads(c) or heads
     head_dim = getattr(c, "head_dim", None) or getattr(c, "d_kv", None)
     head_dim = head_dim or _first(c, "hidden_size", "n_embd") // heads
     return layers, kv_heads, head_dim
+
+
+def _kv_heads(c: Any) -> int | None:
+    """The key/value heads a config declares: ``num_key_value_heads``; Falcon's one shared
+    head (``multi_query`` without ``new_decoder_architecture``), else its ``num_kv_heads``."""
+    named = getattr(c, "num_key_value_heads", None)
+    if isinstance(named, int) and named > 0:
+        return named
+    if getattr(c, "multi_query", False) is True and not getattr(c, "new_decoder_architecture", 0):
+        return 1
+    falcon = getattr(c, "num_kv_heads", None)
+    return falcon if isinstance(falcon, int) and falcon > 0 else None
+
+
+def attends(c: Any) -> list[bool]:
+    """Whether each layer keeps keys and values a token at a time: every layer, except those
+    ``layer_types`` names otherwise (a hybrid model's ``"linear_attention"`` or Mamba layers,
+    which keep a state of fixed size: Jamba, Qwen3-Next)."""
+    layers = cache_shape(c)[0]
+    types = getattr(c, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        return [True] * layers
+    return [isinstance(t, str) and "attention" in t and t != "linear_attention" for t in types]
 
 
 def windows(c: Any) -> list[int | None]:
@@ -52,11 +75,13 @@ def kv_cache_bytes(
     """Bytes of a full key/value cache: 2 (keys and values) x layers x key/value heads x head
     size x ``tokens`` x ``batch`` x the dtype's size, from a Hugging Face model config (grouped-
     query attention: ``num_key_value_heads`` below ``num_attention_heads``). With ``sliding``,
-    a layer with a sliding window counts ``min(window, tokens)`` tokens."""
+    a layer with a sliding window counts ``min(window, tokens)`` tokens; a layer that keeps a
+    state instead (`attends`) counts none."""
     _, kv_heads, head_dim = cache_shape(model_config)
     size = torch.empty((), dtype=dtype).element_size()
     kept = sum(
-        tokens if w is None or not sliding else min(w, tokens) for w in windows(model_config)
+        (tokens if w is None or not sliding else min(w, tokens)) * a
+        for w, a in zip(windows(model_config), attends(model_config), strict=True)
     )
     return 2 * kv_heads * head_dim * kept * batch * size
 
@@ -113,42 +138,87 @@ def cache_tensors(cache: Any, depth: int = 0) -> list[torch.Tensor]:
     return [t for item in items for t in cache_tensors(item, depth + 1)]
 
 
-def cache_note(model: Any, config: RunConfig, cache: Any, tokens: int) -> str:
+def _own(cache: Any) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The cache's own tensors (each once), and an encoder-decoder's cross-attention ones."""
+    cross = getattr(cache, "cross_attention_cache", None) if _two_caches(cache) else None
+    across = {id(t): t for t in cache_tensors(cross)}
+    tensors = [t for i, t in {id(t): t for t in cache_tensors(cache)}.items() if i not in across]
+    return tensors, across
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of the cache's storages, an encoder-decoder's cross-attention part left out."""
+    return sum(t.untyped_storage().nbytes() for t in _own(cache)[0])
+
+
+def cache_note(
+    model: Any, config: RunConfig, cache: Any, tokens: int, prefilled: int | None = None
+) -> str:
     """What the finished cache holds per token (of the ``tokens`` the run read and made),
     beside the formula where the model's config gives its shape (a Hugging Face model). Keys
     and values may differ in type: under autocast, rotary embeddings leave the keys in float32
     and the values in 16 bits. An encoder-decoder's cross-attention keys and values (the
-    encoder's positions, made once) are said apart from the per-token figure."""
-    cross = getattr(cache, "cross_attention_cache", None) if _two_caches(cache) else None
-    across = {id(t): t for t in cache_tensors(cross)}
-    tensors = [t for i, t in {id(t): t for t in cache_tensors(cache)}.items() if i not in across]
-    held = sum(t.untyped_storage().nbytes() for t in tensors)
+    encoder's positions, made once) are said apart from the per-token figure. ``prefilled``:
+    the cache's bytes after the prefill; where the decode grew it by less than the per-token
+    figure would say (a recurrent or linear-attention layer's state: Mamba, Jamba), the state
+    of fixed size is said apart and the per-token figure is the growth's."""
+    tensors, across = _own(cache)
+    held = held_bytes(cache)
     if not held or not tokens:
         return "KV cache: none found in what the model returned"
-    per_token = held // (tokens * config.batch_size)
-    kind = "static " if config.cache == "static" else ""
-    text = (
-        f"KV cache{' (' + kind.strip() + ')' if kind else ''}: {held:,} B for {tokens} tokens x "
-        f"{config.batch_size} sequences, {per_token:,} B per token"
-    )
-    model_config = getattr(model, "config", None)
+    batch, model_config = config.batch_size, getattr(model, "config", None)
     try:
         layers, kv_heads, head_dim = cache_shape(model_config)
+        slid, attending = [w for w in windows(model_config) if w is not None], attends(model_config)
     except WhatIfError:
+        layers, slid, attending = 0, [], []
+    state, per_token = _state(config, held, tokens, prefilled, bool(slid))
+    kind = "static " if config.cache == "static" else ""
+    if state and not per_token:
+        text = (
+            f"KV cache: {held:,} B for {batch} sequences, a state of fixed size: it did not grow "
+            f"over the {config.new_tokens} new tokens ({held // batch:,} B per sequence: a "
+            "recurrent or linear-attention layer's state, as Mamba's convolution and SSM "
+            "states, not keys and values a token)"
+        )
+    else:
+        text = (
+            f"KV cache{' (' + kind.strip() + ')' if kind else ''}: {held:,} B for {tokens} tokens "
+            f"x {batch} sequences, {per_token:,} B per token"
+        )
+        if state:
+            text += f", and {state:,} B of state that does not grow with tokens (recurrent or "
+            text += "linear-attention layers)"
+    if not layers or not any(attending):
         return text
     k, v = tensors[0].element_size(), tensors[min(1, len(tensors) - 1)].element_size()
     sizes = f"2 x {k} B" if k == v else f"({k} B keys + {v} B values)"
-    formula = layers * kv_heads * head_dim * (k + v)
-    shape = f"{layers} layers x {kv_heads} KV heads x {head_dim}"
-    text += f" (formula: {shape} x {sizes} = {formula:,} B)"
+    kept = sum(attending)
+    formula = kept * kv_heads * head_dim * (k + v)
+    counted = f"{layers} layers" if kept == layers else f"{kept} of {layers} layers"
+    text += f" (formula: {counted} x {kv_heads} KV heads x {head_dim} x {sizes} = {formula:,} B)"
     if across:
         made = sum(t.untyped_storage().nbytes() for t in across.values())
         text += f"; cross-attention (the encoder's positions, made once): {made:,} B more"
-    slid = [w for w in windows(model_config) if w is not None]
     if slid and k == v:
-        want = kv_cache_bytes(model_config, tokens, config.batch_size, tensors[0].dtype)
+        want = kv_cache_bytes(model_config, tokens, batch, tensors[0].dtype)
         text += (
             f"; {len(slid)} of {layers} layers keep a sliding window of {slid[0]} tokens: "
             f"{want:,} B by the formula with min(window, tokens)"
         )
     return text
+
+
+def _state(
+    config: RunConfig, held: int, tokens: int, prefilled: int | None, sliding: bool
+) -> tuple[int, int]:
+    """(bytes of state that did not grow with tokens, bytes per token). A dynamic cache
+    without sliding windows grows by the same bytes for every token: what the decode added per
+    token, times the tokens, is the per-token part; the rest, if any, is a state. Otherwise
+    (static, sliding, no decode step measured) everything counts per token."""
+    per_token = held // (tokens * config.batch_size)
+    if prefilled is None or sliding or config.cache == "static" or not config.new_tokens:
+        return 0, per_token
+    grown = max(held - prefilled, 0) // (config.new_tokens * config.batch_size)
+    state = held - grown * tokens * config.batch_size
+    return (state, grown) if state > 0 else (0, per_token)

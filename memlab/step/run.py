@@ -193,7 +193,7 @@ def _run(
                     hooks.on_measure("opened")  # the region's clock has started
                 kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
-                chosen.append(cache_note(model, config, kept[1], kept[2]))
+                chosen.append(cache_note(model, config, kept[1], kept[2], user.prefilled))
             chosen += lever_notes(config, device) + based.notes + user.notes(config) + left
             del kept
             if hooks.on_measure is not None:

@@ -20,6 +20,7 @@ from memlab.step.decoding import (
     model_output,
     within_positions,
 )
+from memlab.step.kvcache import held_bytes
 from memlab.step.user import tensors_in
 
 Mark = Callable[[torch.Tensor, Category], None]
@@ -35,7 +36,8 @@ def encoder_decoder(
     model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Any, cache_name: str
 ) -> list[Any]:
     """Prefill and decode an encoder-decoder model; returns what stays alive after, as
-    `memlab.step.generate.generate` does: the tokens, the cache, and the decoder's tokens."""
+    `memlab.step.generate.generate` does: the tokens, the cache, and the decoder's tokens; and
+    the cache's bytes after the prefill (its self-attention part)."""
     main = getattr(model, "main_input_name", "input_ids")
     kwargs = dict(prompt) if isinstance(prompt, Mapping) else {main: prompt}
     kwargs.pop("labels", None)  # a loss is not part of generating
@@ -63,6 +65,7 @@ def encoder_decoder(
             out = model_output(
                 model(**kwargs, decoder_input_ids=decoder_ids, use_cache=True), model
             )
+        prefilled = held_bytes(cache_of(out, WHAT))
         encoded = (out.encoder_last_hidden_state,)  # kept for every step, as generate() does
         mark(encoded[0], Category.ACTIVATION)
         tokens = []
@@ -80,7 +83,7 @@ def encoder_decoder(
             out = model_output(out, model)
     cache = cache_of(out, WHAT)
     mark_cache(cache, mark)
-    return [tokens, cache, decoder_ids.shape[1] + config.new_tokens]
+    return [tokens, cache, decoder_ids.shape[1] + config.new_tokens, prefilled]
 
 
 def _start_token(model: Any) -> int:

@@ -40,6 +40,8 @@ class UserStep:
     step_fn: StepFn | None
     device: torch.device
     own_backward: bool = field(default=False, init=False)
+    #: mode "generate": the cache's bytes after the last prefill (`memlab.step.generate`).
+    prefilled: int | None = field(default=None, init=False)
 
     def forward(self, batch: int, mark: Callable[[torch.Tensor], None]) -> Any:
         """The model on input_fn(batch), or step_fn(model, input_fn(batch)). Without step_fn, a
