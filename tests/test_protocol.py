@@ -30,7 +30,8 @@ from memlab.estimate.trace import diff as compare_streams
 from memlab.graphs.model import Node, Saved
 from memlab.graphs.retained import Retained, RetainedReport
 from memlab.magic.history import History
-from memlab.reports.oom import Lever, LiveTensor, OOMExplanation, Preflight
+from memlab.reports.oom import Lever, LiveTensor, OOMExplanation
+from memlab.reports.preflight import Preflight
 from memlab.reports.protocol import Result
 from memlab.snapshot import from_dict
 from memlab.snapshot.synthetic import training_snapshot

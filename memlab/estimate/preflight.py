@@ -28,7 +28,8 @@ from memlab.estimate.gpus import GPU
 from memlab.estimate.oom import explain, replay_peak, stream_levers
 from memlab.estimate.redirect import redirected
 from memlab.graphs.scan import key_text
-from memlab.reports.oom import Lever, LiveTensor, Preflight
+from memlab.reports.oom import Lever, LiveTensor
+from memlab.reports.preflight import Preflight
 from memlab.reports.units import fmt_bytes
 
 #: Containers longer than this are not looked into for variable names.
@@ -91,8 +92,8 @@ class Flight:
         self._modes.enter_context(redirected(self.device))
 
     def stop(self, raised: str | None = None, lost: int = 0) -> Preflight:
-        """Detach; the verdict. ``raised``: what the cell raised, if it did not run to its end;
-        ``lost``: ops whose tensors the accounting failed to take in (the verdict is withheld)."""
+        """Detach; the verdict. ``raised``: what the cell raised, if it stopped; ``lost``: ops
+        the accounting failed to take in (then no verdict)."""
         try:
             self.ledger.detach(self)
         finally:
@@ -151,8 +152,7 @@ class Flight:
             )
 
     def _names(self) -> dict[int, list[str]]:
-        """The variables that hold each storage, for the explanation; none when the namespace
-        cannot be read (the verdict never depends on them)."""
+        """The variables holding each storage; none if the namespace cannot be read."""
         try:
             return variable_names(self.ledger, self.namespace, self.hidden)
         except Exception:

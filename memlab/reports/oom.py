@@ -1,4 +1,5 @@
-"""An out-of-memory explained (`OOMExplanation`) and a cell's pre-flight on a GPU (`Preflight`).
+"""An out-of-memory explained (`OOMExplanation`); a cell's pre-flight on a GPU is
+`memlab.reports.preflight.Preflight`.
 
 Plain data and its renderings only: `memlab.estimate.oom` computes them from the allocator's
 state and the tensor accounting.
@@ -15,7 +16,6 @@ from memlab.reports.frame import (
     LEFT,
     NAME,
     code_cell,
-    heading,
     note,
     num_cell,
     plain,
@@ -230,79 +230,6 @@ class OOMExplanation(Result):
             "biggest": [t.to_dict() for t in self.biggest],
             "levers": [lv.to_dict() | {"fits": lv.fits} for lv in self.levers],
             "notes": list(self.notes),
-        }
-
-
-@dataclass(frozen=True)
-class Preflight(Result):
-    """A cell tracked on the CPU and replayed through the allocator model of a GPU: would it
-    have run out of memory there, and where."""
-
-    css = "memlab-preflight"
-
-    gpu: str  # "T4 (16 GiB)"
-    usable: int
-    #: Up to the first failure, if any.
-    peak_allocated: int
-    #: The cell's peak reserved bytes; when it does not fit, on a card without a limit (what it
-    #: would need).
-    peak_reserved: int
-    #: The explanation of the first simulated out-of-memory; None when the cell fits.
-    oom: OOMExplanation | None = None
-    #: What the cell raised, if it did not run to its end (the verdict covers it up to there).
-    raised: str | None = None
-    #: Ops whose tensors the accounting failed to take in: the replay may miss allocations or
-    #: frees, so no verdict is given (the cell's report notes say why).
-    lost: int = 0
-
-    @property
-    def fits(self) -> bool:
-        """True only when the replay saw every op and none ran out of memory."""
-        return self.oom is None and not self.lost
-
-    def headline(self) -> str:
-        if self.lost:
-            return (
-                f"pre-flight on {self.gpu}: NO VERDICT: memlab failed to follow {self.lost} "
-                f"op(s) of this cell (the report's notes say why), so it cannot say whether the "
-                f"cell fits · peak reserved seen {fmt_bytes(self.peak_reserved)} of "
-                f"{fmt_bytes(self.usable)} usable"
-            )
-        if self.oom is None:
-            fits = "fits" if self.raised is None else f"fits up to where it raised {self.raised}"
-            return (
-                f"pre-flight on {self.gpu}: {fits} · peak reserved "
-                f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
-            )
-        at = f" at line {self.oom.line}" if self.oom.line is not None else ""
-        return (
-            f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at} "
-            f"({fmt_bytes(self.oom.requested)} requested) · needs "
-            f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
-        )
-
-    def text(self) -> str:
-        # the explanation under the verdict, without a second headline saying the same
-        shown = self.oom is not None and not self.lost
-        return self.headline() + ("\n" + self.oom.body_text() if shown and self.oom else "")
-
-    def html(self) -> str:
-        if self.lost:
-            return warning(self.headline())
-        if self.oom is None:
-            return heading(self.headline(), "allocator model; the cell ran on the CPU")
-        return f"{warning(self.headline())}\n{self.oom.body_html()}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpu": self.gpu,
-            "usable": self.usable,
-            "fits": self.fits,
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "oom": None if self.oom is None else self.oom.to_dict(),
-            "raised": self.raised,
-            "lost": self.lost,
         }
 
 
