@@ -13,6 +13,8 @@
   ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``); their meta kernels follow a strided gradient's layout
   (a LayerNorm over a transposed convolution's output: Swin, SegFormer, Wav2Vec2, ConvNeXt),
   and the ``view`` that follows in backward then copies it on meta alone.
+- ``convolution``: meta returns a contiguous output where the CPU's and cuDNN's kernels return
+  a channels-last one (`memlab.estimate.kernels.layout`).
 
 Found by tests/test_estimate_sweep.py, which holds a meta run to a real CPU run layer by layer.
 """
@@ -27,6 +29,7 @@ import torch
 
 from memlab.core import _torch
 from memlab.core._torch import OwnedMode
+from memlab.estimate.kernels import layout
 from memlab.estimate.kernels.grouped import grouped_mm_kernels
 
 aten = torch.ops.aten
@@ -96,6 +99,9 @@ KERNELS: dict[Any, Callable[..., Any]] = {
 }
 #: The ops whose meta call runs their composite formula: a dispatch mode never sees them.
 COMPOSITE = {"mish_backward": _mish_backward, "native_channel_shuffle": _channel_shuffle}
+#: Meta kernels replaced beneath every mode (the modes above still see the op: cuDNN's
+#: workspaces, the accounting): a convolution's output layout (`layout`).
+REPLACED = {"convolution": layout.convolution}
 
 
 class DeviceKernels(OwnedMode):
@@ -118,7 +124,7 @@ def device_kernels() -> Iterator[None]:
     the kernel emulations (``cuda_kernels``) say: the CPU's kernels allocate the same."""
     library = torch.library.Library("aten", "IMPL")
     try:
-        for name, kernel in COMPOSITE.items():
+        for name, kernel in (COMPOSITE | REPLACED).items():
             _torch.impl_over_composite(library, name, kernel, "Meta")
         with grouped_mm_kernels(), DeviceKernels():
             yield
