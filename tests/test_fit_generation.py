@@ -113,3 +113,23 @@ def test_the_fit_keeps_the_report_protocol(golden: Any) -> None:
     golden("generation_fit.html", html + "\n")
     evil = a_fit('<script>alert("x")</script>')._repr_html_()
     assert "<script>" not in evil and "&lt;script&gt;" in evil
+
+
+def test_cache_dtype_on_a_state_space_model_says_there_is_nothing_to_rescale() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MambaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, state_size=8
+    )
+    with pytest.raises(
+        WhatIfError,
+        match=r"cache_dtype: MambaForCausalLM's cache keeps a state of fixed size .* leave "
+        r"cache_dtype out",
+    ):
+        fit_generation(
+            lambda: transformers.MambaForCausalLM(config),
+            None,
+            "24GiB",
+            context=16,
+            new_tokens=4,
+            cache_dtype="bf16",
+        )

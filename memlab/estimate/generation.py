@@ -99,7 +99,7 @@ def fit_generation(
     model = build_on_meta(model_fn)
     model_config = getattr(model, "config", None)
     if cache_dtype is not None:
-        cache_shape(model_config)  # a WhatIfError where the cache's shape is unknown
+        _check_rescalable(model, model_config)
     longest = _positions(model_config)
     _check_positions(context, new, longest, longest != MAX_CONTEXT)
     prompt_fn = input_fn if input_fn is not None else _zeros
@@ -208,6 +208,24 @@ def _parameter_size(model: Any) -> int:
     """Bytes of an element of the model's first floating-point parameter (4 without one)."""
     sizes = (p.element_size() for p in model.parameters() if p.is_floating_point())
     return next(sizes, 4)
+
+
+def _check_rescalable(model: Any, model_config: Any) -> None:
+    """``cache_dtype`` rescales keys and values: a model whose cache keeps a state of fixed
+    size instead (a state-space model: Mamba's convolution and SSM states) has none to rescale."""
+    try:
+        cache_shape(model_config)
+    except WhatIfError as e:
+        kind = type(model).__name__
+        if model_config is not None and any(
+            hasattr(model_config, n) for n in ("state_size", "ssm_state_size", "d_state")
+        ):
+            raise WhatIfError(
+                f"cache_dtype: {kind}'s cache keeps a state of fixed size (a state-space model), "
+                "not keys and values a token at a time, so there is nothing to rescale: leave "
+                "cache_dtype out."
+            ) from None
+        raise WhatIfError(f"cache_dtype needs the key/value cache's shape: {e}") from None
 
 
 def _in_cache_dtype(
