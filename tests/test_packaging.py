@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -67,20 +69,47 @@ def test_lint_and_types(cmd: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+#: torch.cuda.empty_cache (memlab.estimate's allocator model has an empty_cache of its own,
+#: which is not torch's), gc.collect, tracing and profiling hooks, logging set-up.
+FORBIDDEN = [
+    r"cuda\.empty_cache\(",
+    r"import[^\n]*\bempty_cache\b",
+    r"gc\.collect\(",
+    r"\bsettrace\(",
+    r"\bsetprofile\(",
+    r"basicConfig\(",
+]
+
+
+def _code_only(text: str) -> str:
+    """``text`` with its strings and comments blanked (same length and lines): advice to the
+    user that names a call ("call gc.collect() before a run") is not a call."""
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    chars = list(text)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.STRING, tokenize.COMMENT):
+            a = starts[tok.start[0] - 1] + tok.start[1]
+            b = starts[tok.end[0] - 1] + tok.end[1]
+            chars[a:b] = [c if c == "\n" else " " for c in chars[a:b]]
+    return "".join(chars)
+
+
+def test_the_call_check_reads_code_not_words() -> None:
+    called = 'import gc\n\ndef f():\n    gc.collect()  # "quoted"\n'
+    said = (
+        'def f():\n    """Call gc.collect() first."""\n    print("gc.collect()")  # gc.collect()\n'
+    )
+    assert re.search(FORBIDDEN[2], _code_only(called))
+    assert not re.search(FORBIDDEN[2], _code_only(said))
+
+
 def test_memlab_never_calls_what_would_change_the_users_process() -> None:
-    # torch.cuda.empty_cache (memlab.estimate's allocator model has an empty_cache of its own,
-    # which is not torch's), gc.collect, tracing and profiling hooks, logging set-up
-    forbidden = [
-        r"cuda\.empty_cache\(",
-        r"import[^\n]*\bempty_cache\b",
-        r"gc\.collect\(",
-        r"\bsettrace\(",
-        r"\bsetprofile\(",
-        r"basicConfig\(",
-    ]
     for path in sorted((ROOT / "memlab").rglob("*.py")):
-        text = path.read_text()
-        for pattern in forbidden:
+        text = _code_only(path.read_text())
+        for pattern in FORBIDDEN:
             found = re.search(pattern, text)
             assert found is None, f"{path.relative_to(ROOT)}: {found.group(0) if found else ''}"
 
