@@ -147,6 +147,24 @@ x = torch.randn(2**20, 16)
 net(x).sum().backward()""",
 )
 
+#: A pre-flight whose accounting failed on an op (a bug of memlab's own, simulated by a replay
+#: that raises once): no verdict.
+PREFLIGHT_LOST = (
+    """%load_ext memlab
+import torch
+from memlab.estimate.preflight import Flight
+_told, _calls = Flight.on_alloc, []
+def _fails_once(self, serial, delta, when):
+    _calls.append(delta)
+    if len(_calls) == 1:
+        raise RuntimeError("the replay's own bug")
+    _told(self, serial, delta, when)
+Flight.on_alloc = _fails_once""",
+    """%%gpumem --gpu 1GiB
+big = torch.empty(900 * 2**20 // 4)
+d = 1""",
+)
+
 
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -159,6 +177,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         "targets": TARGETS,
         "real": REAL,
         "preflight": PREFLIGHT,
+        "preflight-lost": PREFLIGHT_LOST,
     }.items():
         notebook(root / f"{name}.ipynb", *cells)
     server = LabServer(root, tmp_path_factory.mktemp("lab-home"))
@@ -588,6 +607,22 @@ def test_a_pre_flight_that_would_not_fit_reads_in_the_theme(
     assert "net(x).sum().backward()" in shown and "fits" in shown  # the line, then the levers
     MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
     keep(out, f"product-preflight-{slug(theme)}.png", request)
+
+
+@pytest.mark.parametrize("theme", [LIGHT, DARK], ids=slug)
+def test_a_pre_flight_without_a_verdict_says_so_in_the_theme(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest, theme: str
+) -> None:
+    nb = open_in(page, lab, "preflight-lost.ipynb", theme)
+    nb.run_all(timeout=180)
+    assert not nb.errors(), nb.errors()
+    out = nb.cell(1).locator(".jp-OutputArea")
+    shown = out.inner_text()
+    assert "NO VERDICT: memlab failed to follow 1 op(s)" in shown, shown
+    assert "the replay's own bug" in shown  # the report's notes say why
+    assert ": fits" not in shown
+    MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
+    keep(out, f"product-preflight-lost-{slug(theme)}.png", request)
 
 
 # -- problems once seen, measured above -----------------------------------------------------------
