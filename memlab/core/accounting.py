@@ -142,6 +142,9 @@ class Accountant(Roles):
                     self.used.add(entry.serial)
                     if a.requires_grad and a.is_leaf:
                         self._remember_leaf(a, st)
+                    elif entry.category is None and isinstance(a, torch.nn.Parameter):
+                        # a frozen one whose module never ran here: an EMA copy of the model
+                        self.ledger.classify(a, Category.PARAMETER)
         except Exception as e:  # never break the user's op for our bookkeeping
             self.lost += 1
             self._error(e)

@@ -17,6 +17,7 @@ from typing import Any
 
 from memlab.core import _torch
 from memlab.core.choices import Source, TimelineSource
+from memlab.core.frames import users_traceback
 from memlab.core.ledger import default_ledger
 from memlab.estimate.autocast import emulated
 from memlab.estimate.gpus import GPU
@@ -32,6 +33,7 @@ from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.reduce import sms_of
 from memlab.estimate.kernels.rnn import flatten_patch
 from memlab.estimate.listener import AllocatorListener
+from memlab.estimate.meta_errors import on_meta
 from memlab.estimate.redirect import (
     META,
     OrdinaryInputs,
@@ -42,7 +44,6 @@ from memlab.estimate.redirect import (
 from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
 from memlab.estimate.toggles import allocator_for, lever_notes
-from memlab.estimate.values import data_dependent
 from memlab.estimate.workspaces import Workspaces, workspace_note
 from memlab.region import track
 from memlab.region.assemble import thin
@@ -55,6 +56,7 @@ from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 NOT_MODELLED = "not modelled: other CUDA-only buffers (docs/estimator.md)"  # in every note
 
 
+@users_traceback(own=(WhatIfError,))
 def estimate(
     model_fn: ModelFn,
     input_fn: InputFn,
@@ -142,9 +144,10 @@ def estimate(
             )
     except (RuntimeError, NotImplementedError, WhatIfError) as e:
         cause = e.__cause__ if isinstance(e, WhatIfError) else e  # what the user's code raised
-        if not isinstance(cause, (RuntimeError, NotImplementedError)) or "meta" not in str(cause):
+        said = on_meta(cause) if cause is not None else None
+        if said is None:
             raise
-        raise WhatIfError(data_dependent(cause)) from cause
+        raise WhatIfError(said) from cause
     finally:
         ledger.detach(listener)
     if result.report is None or listener.measured_from is None:

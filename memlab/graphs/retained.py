@@ -60,6 +60,33 @@ class Retained:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A container variable (a list, dict, tuple or set, e.g. a training loop's log) and the
+    tensors it holds, detached or not: memory that grows if the loop adds to it each step."""
+
+    name: str
+    tensors: int
+    #: Bytes of the storages its tensors keep alive, each once.
+    bytes: int
+    #: Bytes of the tensors' own elements: less than ``bytes`` where small views (a row of a
+    #: batch's logits) keep whole storages alive.
+    viewed: int
+
+    def line(self) -> str:
+        views = ""
+        if self.bytes > 2 * self.viewed:
+            views = (
+                f" ({fmt_bytes(self.bytes - self.viewed)} of it storage kept alive by views of "
+                "bigger tensors, such as `logits[0]`: `.clone()` them)"
+            )
+        return (
+            f"{self.name}: {self.tensors} tensor(s) in it hold "
+            f"{fmt_bytes(self.bytes)}{views}; if it grows each step (a log of the loop), keep "
+            "numbers (`.item()`) or move them off the device (`.cpu()`)"
+        )
+
+
+@dataclass(frozen=True)
 class RetainedReport(Result):
     """What `find_retained` found: each variable and the bytes its graphs alone keep alive."""
 
@@ -71,6 +98,8 @@ class RetainedReport(Result):
     #: Variables whose tensors still carry graphs that backward has already freed (the logged
     #: ``losses.append(loss)`` of a training loop): no saved tensors, but a graph per step.
     freed: tuple[Retained, ...] = ()
+    #: Containers holding tensors (a loop's log of detached ones, say), biggest first.
+    held: tuple[Held, ...] = ()
 
     @property
     def total(self) -> int:
@@ -95,16 +124,20 @@ class RetainedReport(Result):
                 {"name": i.name, "nodes": i.nodes, "tensors": i.tensors, "example": i.example}
                 for i in self.freed
             ],
+            "tensors_held": [
+                {"name": h.name, "tensors": h.tensors, "bytes": h.bytes, "viewed": h.viewed}
+                for h in self.held
+            ],
         }
 
     def _freed_lines(self) -> list[str]:
         return [
             f"{i.name}: {i.tensors} tensor(s) still carry autograd graphs ({i.nodes} nodes, "
-            f"e.g. {i.example}) whose saved tensors backward already freed: 0 B of tensors "
+            f"e.g. {i.example}) whose saved tensors backward already freed: no saved tensors "
             "now, but every one kept adds its graph's nodes, and one kept before its backward "
             f"holds all its activations; keep `loss.item()` or `loss.detach()` in {i.name}"
             for i in self.freed
-        ]
+        ] + [h.line() for h in self.held]
 
     def text(self) -> str:
         notes = [f"  {plain(line)}" for line in self._freed_lines()]
@@ -164,6 +197,8 @@ def find_retained(
     found: dict[str, list[tuple[str, Any]]] = {}
     held: set[int] = set()  # storages a variable holds anyway (detaching frees none of them)
     keep: list[Any] = []  # hold storages while comparing their ids
+    logs = {name for name, value in variables if issubclass(type(value), _CONTAINERS)}
+    holding: dict[str, tuple[int, dict[int, int], int]] = {}  # name -> tensors, storages, viewed
     for name, path, t in tensors_in(variables, depth, skipped):
         parts = storages(t)
         try:
@@ -177,6 +212,10 @@ def find_retained(
             held.update(id(st) for st in parts)
         if grad_fn is not None:
             found.setdefault(name, []).append((path, grad_fn))
+        if parts is not None and name in logs and type(t) is not torch.nn.Parameter:
+            count, kept, viewed = holding.get(name, (0, {}, 0))
+            kept.update((id(st), st.nbytes()) for st in parts)
+            holding[name] = (count + 1, kept, viewed + t.numel() * t.element_size())
     charged: set[int] = set()
     items, freed = [], []
     for name, graphs in found.items():
@@ -215,4 +254,14 @@ def find_retained(
         elif released:
             freed.append(found_here)
     items.sort(key=lambda i: -i.bytes)
-    return RetainedReport(tuple(items), skipped.notes(), tuple(freed))
+    logged = [
+        Held(name, count, sum(kept.values()), viewed)
+        for name, (count, kept, viewed) in holding.items()
+        if count >= 2 and name not in {i.name for i in items}
+    ]
+    logged.sort(key=lambda h: -h.bytes)
+    return RetainedReport(tuple(items), skipped.notes(), tuple(freed), tuple(logged[:5]))
+
+
+#: Variables that may be a loop's log: the built-in containers.
+_CONTAINERS = (list, tuple, dict, set)

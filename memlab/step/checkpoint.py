@@ -121,7 +121,7 @@ def checkpointed(
         yield notes
         return
     named = dict(model.named_modules())
-    paths = blocks(model) if spec == "auto" else list(spec)
+    paths = blocks(model) if spec == "auto" else _called(named, list(spec))
     runs = repeated_runs(model) if spec == "auto" and not paths else []
     missing = [p for p in paths if p not in named]
     if missing:
@@ -143,11 +143,12 @@ def checkpointed(
         notes.append("checkpoint='auto' chose " + "; ".join(chosen + [r.describe() for r in runs]))
     wrapped: list[tuple[nn.Module, Any]] = []  # each module with its own forward, or None
     caching = _caching_configs(model)
+    ran: dict[str, int] = dict.fromkeys(paths, 0)
     try:
         for p in paths:
             module = named[p]
             wrapped.append((module, module.__dict__.get("forward")))
-            module.forward = _checkpointing(module.forward, extra)
+            module.forward = _checkpointing(module.forward, extra, ran, p)
         for r in runs:
             sequential = named[r.path]
             wrapped.append((sequential, sequential.__dict__.get("forward")))
@@ -157,6 +158,13 @@ def checkpointed(
         if caching:
             notes.append("use_cache off while checkpointing, as Hugging Face does in training")
         yield notes
+        idle = [p for p, n in ran.items() if not n]
+        if idle and spec != "auto":  # named, but the model calls its layers, not it
+            notes.append(
+                f"checkpoint named {', '.join(map(repr, idle[:3]))}, whose forward the step "
+                "never called (the model calls its layers directly): nothing was checkpointed "
+                "there; name the modules the forward calls"
+            )
     finally:
         for config, value in caching:  # each its own value back (True, or a truthy one)
             config.use_cache = value
@@ -178,8 +186,24 @@ def _caching_configs(model: nn.Module) -> list[tuple[Any, Any]]:
     return [(c, value) for c, value in on if isinstance(value, int) and value]  # bool or 1
 
 
-def _checkpointing(original: Callable[..., Any], extra: dict[str, Any]) -> Callable[..., Any]:
+def _called(named: dict[str, nn.Module], paths: list[str]) -> list[str]:
+    """The modules named, a container (ModuleList, ModuleDict: never called itself, its
+    layers are) standing for each of its children."""
+    found: list[str] = []
+    for p in paths:
+        module = named.get(p)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            found += [f"{p}.{n}" if p else n for n, _ in module.named_children()]
+        else:
+            found.append(p)
+    return found
+
+
+def _checkpointing(
+    original: Callable[..., Any], extra: dict[str, Any], ran: dict[str, int], path: str
+) -> Callable[..., Any]:
     def forward(*args: Any, **kw: Any) -> Any:
+        ran[path] += 1
         # the original is looked up at each call: the estimator's autocast emulation wraps it
         return torch.utils.checkpoint.checkpoint(
             original, *args, use_reentrant=False, **extra, **kw

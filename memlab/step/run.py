@@ -12,12 +12,12 @@ import dataclasses
 import functools
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.frames import users_traceback
 from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.oom import OOMExplanation
@@ -26,8 +26,10 @@ from memlab.step.base_weights import quantized_base
 from memlab.step.compiled import CompiledRegion, compiled, compiling, warmups
 from memlab.step.config import Amp, Mode, Retention, RunConfig, WhatIfError
 from memlab.step.generate import Stage, generate, unstaged
+from memlab.step.hooks import StepHooks as StepHooks  # its home: memlab.step.hooks
 from memlab.step.kvcache import cache_note
 from memlab.step.levers import lever_notes, selective, stepping
+from memlab.step.loop import OwnLoop
 from memlab.step.model import (
     allocated,
     autocast_of,
@@ -54,35 +56,11 @@ from memlab.step.user import (
     module_of,
 )
 
-Autocast = Callable[[torch.dtype], contextlib.AbstractContextManager[Any]]
-
 #: Warm-up steps tried again at most, while an fp16 scaler skips the optimizer's step.
 SCALER_RETRIES = 8
 
 
-@dataclass(frozen=True)
-class StepHooks:
-    """How a step runs where it is not measured but predicted (the estimator sets these).
-
-    autocast: makes the AMP context for a dtype (None: ``torch.autocast`` on the run's device).
-    foreach: the optimizer's ``foreach`` option (None: PyTorch's default for the device).
-    grad_scaler: whether fp16 training uses a gradient scaler.
-    on_measure: called with "start" just before the measured step's region, "opened" as its
-        clock starts, and "end" just after it.
-    on_oom(error, config, device): an out-of-memory explained (`RunResult.explanation`), called
-        before the failed step's tensors are released (the estimator's `run_levers` makes one).
-    since: the measured region leaves out the storages from before this ledger serial that it
-        never touches (`memlab.track`'s ``since``; an estimate's simulated GPU starts empty).
-    """
-
-    autocast: Autocast | None = None
-    foreach: bool | None = None
-    grad_scaler: bool = True
-    on_measure: Callable[[str], None] | None = None
-    on_oom: Callable[[BaseException, RunConfig, str], OOMExplanation | None] | None = None
-    since: int = 0
-
-
+@users_traceback(own=(WhatIfError,))
 def run(
     model_fn: ModelFn,
     input_fn: InputFn,
@@ -156,6 +134,7 @@ def _run(
     off = HostOffload(config, device, model)  # offload="off": the device's own optimizer
     on_host = off.make_optimizer if off.offload.optimizer else None
     with (
+        OwnLoop(_writes(step_fn, config, device)).kept() as loop,  # put back after the rest
         quantized_base(model, config) as based,  # base_weights: before restored() sees them
         restored(model, weights=training) as left,  # and the earlier runs' models alive
         checkpointed(model, config.checkpoint, selective(config)) as chosen,
@@ -164,7 +143,7 @@ def _run(
         fp16 = training and config.amp == Amp.FP16 and hooks.grad_scaler
         scaler = torch.amp.GradScaler(device.type) if fp16 else None
         amp = autocast_of(config.amp, device, hooks.autocast)
-        user = UserStep(compiled(model, config, device), input_fn, loss_fn, step_fn, device)
+        user = UserStep(compiled(model, config, device), input_fn, loss_fn, step_fn, device, loop)
         step = functools.partial(_step, user, config, opt, scaler, amp, off)
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
@@ -186,6 +165,7 @@ def _run(
                     if not skipped(opt):
                         break
                     warm(unmarked, unstaged)
+            loop.warming = False  # the measured step writes what the warm-up wrote
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
@@ -195,6 +175,7 @@ def _run(
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept[1], kept[2], user.prefilled))
             chosen += lever_notes(config, device) + based.notes + user.notes(config) + left
+            chosen += loop.notes(config.accumulation)
             del kept
             if hooks.on_measure is not None:
                 hooks.on_measure("end")
@@ -227,6 +208,11 @@ def _run(
         else None
     )
     return RunResult(config, report, oom=over, error=error, series=tuple(series), ranks=ranks)
+
+
+def _writes(step_fn: StepFn | None, config: RunConfig, device: torch.device) -> bool:
+    """Whether the run keeps what step_fn writes outside the model (`memlab.step.writes`)."""
+    return step_fn is not None and config.warmup and not config.compile and device.type != "meta"
 
 
 def _explained(
@@ -278,7 +264,8 @@ def _step(
     model.train()
     with off.step(mark):  # offload: the host copies counted, and marked
         micro = config.batch_size // config.accumulation
-        for _ in range(config.accumulation):
+        for i in range(config.accumulation):
+            user.loop.micro = i  # step_fn's own zero_grad runs in the first only
             with autocast():
                 out = user.forward(micro, mark)
                 loss = user.loss(out, config.accumulation)  # None: step_fn ran backward
@@ -289,7 +276,7 @@ def _step(
             scaler.update()
         else:
             opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=user.loop.set_to_none)  # as step_fn's own zero_grad, if any
     return [], []
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,22 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
-from memlab.step.model import OWN_OPTIMIZERS, call, check_device
+from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
+from memlab.step.model import call, check_device
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
 LossFn = Callable[[Any], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], Any]
-
-
-#: What to do when a step must run as the user wrote it (their own optimizers, several models).
-TRACK_INSTEAD = (
-    "to measure your own training step as it is written, run it under "
-    "`with memlab.track(breakdown=True) as t:` (`%%gpumem -b` in a notebook)"
-)
 
 
 @dataclass
@@ -39,6 +31,8 @@ class UserStep:
     loss_fn: LossFn | None
     step_fn: StepFn | None
     device: torch.device
+    #: What step_fn, run as the user's own loop, did to the training objects.
+    loop: OwnLoop = field(default_factory=OwnLoop)
     own_backward: bool = field(default=False, init=False)
     #: mode "generate": the cache's bytes after the last prefill (`memlab.step.generate`).
     prefilled: int | None = field(default=None, init=False)
@@ -53,7 +47,7 @@ class UserStep:
         for t in tensors:
             mark(t)
         if self.step_fn is not None:
-            with watching(self.model) as grads, grad_off_explained():
+            with watching(self.model, self.loop, tensors) as grads, grad_off_explained():
                 out = self.step_fn(self.model, value)
             self.own_backward = bool(grads)
             return out
@@ -79,14 +73,18 @@ class UserStep:
             return loss_of(self.loss_fn, out) / accumulation
         if self.own_backward:
             return None
-        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        loss = returned_loss(out)
+        if loss is None:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            number = isinstance(out, (int, float))
             raise WhatIfError(
-                f"step_fn must return the scalar loss in training, not {got}: e.g. end it with "
-                "criterion(model(x), y), or model(**batch).loss for a Hugging Face model "
-                f"(or call loss.backward() in it). Or, {TRACK_INSTEAD}."
+                f"step_fn must return the scalar loss in training, not {got}"
+                + (" (a number, such as loss.item(), has no graph for backward)" if number else "")
+                + ": e.g. end it with criterion(model(x), y), or model(**batch).loss for a "
+                "Hugging Face model, or a dict or tuple that holds it ({'loss': loss, ...}, "
+                f"(loss, logits)); or call loss.backward() in it. Or, {TRACK_INSTEAD}."
             )
-        return out / accumulation
+        return loss / accumulation
 
     def notes(self, config: RunConfig) -> list[str]:
         """What the report says about a step_fn that ran backward itself."""
@@ -122,6 +120,17 @@ class UserStep:
                 "models, as in a GAN), wrap them in one nn.ModuleDict that model_fn returns, or, "
                 f"{TRACK_INSTEAD}."
             ) from e
+
+
+def returned_loss(out: Any) -> torch.Tensor | None:
+    """The loss in what a training step_fn returned: a one-element tensor, a mapping's
+    ``"loss"`` (a dict of metrics, a Hugging Face output) or the first item of a tuple or list
+    (``(loss, logits)``), as such; None if there is none."""
+    if isinstance(out, Mapping):
+        out = out.get("loss")
+    elif isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    return out if isinstance(out, torch.Tensor) and out.numel() == 1 else None
 
 
 def check_trainable(model: nn.Module, config: RunConfig) -> None:
@@ -177,47 +186,6 @@ def check_materialised(model: nn.Module) -> nn.Module:
             "`m = Net(); m(input_fn(1)); return m`."
         )
     return model
-
-
-@contextlib.contextmanager
-def watching(model: nn.Module) -> Iterator[list[int]]:
-    """While step_fn runs: the gradients its own backward accumulates into ``model``'s
-    parameters (one entry each), and a clear error, before it steps, for an optimizer of its own
-    (memlab makes and steps the run's optimizer; stepping another would change the user's
-    optimizer and count its state as well)."""
-    grads: list[int] = []
-    run_thread = threading.get_ident()
-
-    def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if opt in OWN_OPTIMIZERS:  # optimizer_in_backward's, stepped by the user's backward
-            return
-        # the hook is global: an optimizer stepped on another of the program's threads is
-        # not step_fn's (the user training in the kernel while the panel's run goes on); one
-        # stepped on a thread Python did not start is in a backward (autograd's device threads)
-        here = threading.current_thread()
-        if threading.get_ident() != run_thread and not isinstance(here, threading._DummyThread):
-            return
-        raise WhatIfError(
-            f"step_fn called {type(opt).__name__}.step() on an optimizer of its own: "
-            "memlab.whatif.run makes the optimizer RunConfig names (optimizer='sgd', 'adam', "
-            "...) and steps it after step_fn, once per step (accumulation=k calls step_fn k "
-            "times). Leave optimizer.step(), zero_grad() and the scheduler out of step_fn "
-            "(loss.backward() and clip_grad_norm_ may stay), and return the loss. Two models "
-            "with an optimizer each (a GAN): wrap them in one nn.ModuleDict that model_fn "
-            "returns and return the sum of their losses (one optimizer over both), or, "
-            f"{TRACK_INSTEAD}."
-        )
-
-    handles = []
-    try:  # each hook removed, also when interrupted while they go in
-        handles.append(register_optimizer_step_pre_hook(refuse))
-        for p in model.parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(lambda _: grads.append(1)))
-        yield grads
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,112 @@
+"""The user's traceback without memlab in it: an error raised by the user's code (a cell, a
+forward, a loss, a ``step_fn``) shows the user's lines and the code they called, as it would
+without memlab, whichever front end ran it (``%%gpumem``, `memlab.whatif.run`, ``estimate``)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import ParamSpec, TypeVar
+
+_MEMLAB = str(Path(__file__).parents[1])  # the memlab package
+#: Where library code lives (the standard library, installed packages): frames there that
+#: memlab called (a thread it waited for, the op its dispatch mode ran) are not the user's.
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+#: PyTorch's own frames between an op and a dispatch or function mode: there only because
+#: memlab's mode is (the estimator's device redirection is a function mode).
+_PLUMBING = tuple(
+    str(Path(*parts))
+    for parts in (
+        ("torch", "_compile.py"),
+        ("torch", "_dynamo", "eval_frame.py"),
+        ("torch", "_dynamo", "external_utils.py"),
+        ("torch", "_ops.py"),
+        ("torch", "overrides.py"),
+        ("torch", "utils", "_device.py"),
+        ("torch", "utils", "_python_dispatch.py"),
+    )
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _file(tb: TracebackType) -> str:
+    return tb.tb_frame.f_code.co_filename
+
+
+def _entries(e: BaseException) -> list[TracebackType]:
+    entries: list[TracebackType] = []
+    tb = e.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    return entries
+
+
+def without_memlab(e: BaseException) -> BaseException:
+    """``e`` with memlab's frames taken out of its traceback, with the library frames memlab
+    called and PyTorch's dispatch plumbing that leads into memlab's mode. Returns ``e`` (changed
+    in place, as ``with_traceback`` does)."""
+    entries = _entries(e)
+    drop: set[int] = set()
+    called_by_memlab = False
+    for i, t in enumerate(entries):
+        name = _file(t)
+        if name.startswith(_MEMLAB):
+            drop.add(i)
+            called_by_memlab = True
+        elif called_by_memlab and name.startswith(_LIBRARIES):
+            drop.add(i)
+        else:
+            called_by_memlab = False  # the user's code again (the cell, or what it called)
+    if not drop:
+        return e
+    for i in range(len(entries) - 1, -1, -1):  # plumbing that leads into a dropped frame
+        if i not in drop and i + 1 in drop and _file(entries[i]).endswith(_PLUMBING):
+            drop.add(i)
+    kept = [t for i, t in enumerate(entries) if i not in drop]
+    for a, b in itertools.pairwise(kept):
+        a.tb_next = b
+    if kept:
+        kept[-1].tb_next = None
+    return e.with_traceback(kept[0] if kept else None)
+
+
+def through_users_code(e: BaseException) -> bool:
+    """Whether ``e`` was raised in, or passed through, code that is neither memlab's nor a
+    library's: the user's."""
+    return any(not _file(t).startswith((_MEMLAB, *_LIBRARIES)) for t in _entries(e))
+
+
+def users_traceback(
+    own: tuple[type[BaseException], ...] = (),
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A front end's decorator: what the user's code raised inside it (or one of memlab's
+    ``own`` errors, which say what to do) leaves it without memlab's frames, nor those of the
+    errors it was raised from. Anything else (a bug of memlab's) keeps them, to be reported."""
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def front(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if isinstance(e, own) or through_users_code(e):
+                    seen: set[int] = set()
+                    link: BaseException | None = e
+                    while link is not None and id(link) not in seen and len(seen) < 16:
+                        seen.add(id(link))
+                        without_memlab(link)
+                        link = link.__cause__ or link.__context__
+                raise  # a bare raise adds no frame of this one's
+
+        return front
+
+    return decorate
