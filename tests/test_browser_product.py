@@ -618,7 +618,7 @@ def test_a_pre_flight_without_a_verdict_says_so_in_the_theme(
     assert not nb.errors(), nb.errors()
     out = nb.cell(1).locator(".jp-OutputArea")
     shown = out.inner_text()
-    assert "NO VERDICT: memlab failed to follow 1 op(s)" in shown, shown
+    assert "NO VERDICT: memlab lost track of 1 of this cell" in shown, shown
     assert "the replay's own bug" in shown  # the report's notes say why
     assert ": fits" not in shown
     MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))

@@ -250,7 +250,7 @@ def test_a_lost_op_withholds_the_verdict(ip: Any, monkeypatch: pytest.MonkeyPatc
     pf = ip.user_ns["pf"]
     assert pf.lost == 1 and not pf.fits and pf.to_dict()["lost"] == 1
     text = _preflight_text(ip)
-    assert "NO VERDICT: memlab failed to follow 1 op(s)" in text and ": fits" not in text
+    assert "NO VERDICT: memlab lost track of 1 of this cell" in text and ": fits" not in text
     assert any(
         "the replay&#x27;s own bug" in h or "the replay's own bug" in h for h in ip.rec.reports()
     )

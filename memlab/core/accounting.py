@@ -57,7 +57,10 @@ class Accountant(Roles):
         self.breakdown = breakdown
         self.errors: list[str] = []
         #: Ops whose tensors the bookkeeping failed to take in (their bytes may be missing).
-        self.lost = 0
+        self._lost = 0
+        #: The ledger's listener failures before the region (`lost` counts those after).
+        self._failures = ledger.failures
+        self._missed: int | None = None
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: id -> (weak reference, storage id) of each leaf the dispatch path remembered.
         self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -93,6 +96,17 @@ class Accountant(Roles):
         self._stack.close()
         if self._mode is not None and self._mode.misplaced:
             self.errors.append(self._mode.misplaced)
+        self.ledger.settle()  # the region's last frees, heard (or not) before the count
+        self._missed = missed = self.ledger.failures - self._failures
+        if missed:  # a listener's failure: a recorder or a replay missed events
+            said = "; ".join(self.ledger.failure_notes[-2:])
+            self.errors.append(f"{missed} event(s) not taken in by memlab's listeners ({said})")
+
+    @property
+    def lost(self) -> int:
+        """Ops and ledger events the bookkeeping failed to take in during the region."""
+        missed = self._missed if self._missed is not None else self.ledger.failures - self._failures
+        return self._lost + missed
 
     def _install_role_hooks(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -146,7 +160,7 @@ class Accountant(Roles):
                         # a frozen one whose module never ran here: an EMA copy of the model
                         self.ledger.classify(a, Category.PARAMETER)
         except Exception as e:  # never break the user's op for our bookkeeping
-            self.lost += 1
+            self._lost += 1
             self._error(e)
 
     def see_outputs(self, out: Any, started: float) -> None:
@@ -167,7 +181,7 @@ class Accountant(Roles):
                     self._remember_leaves_of(node)
                     _torch.queue_backward_callback(self._after_backward)
         except Exception as e:
-            self.lost += 1
+            self._lost += 1
             self._error(e)
 
     def _error(self, e: Exception, what: str = "") -> None:

@@ -21,12 +21,13 @@ from collections import deque
 import torch
 
 from memlab.core.categories import STICKY, Category, stronger
-from memlab.core.storages import Entry, Listener, PackRef, StorageRef, device_key, storage_of
+from memlab.core.listeners import Listeners
+from memlab.core.storages import Entry, PackRef, StorageRef, device_key, storage_of
 
 __all__ = ["Entry", "Ledger", "default_ledger", "device_key", "storage_of"]
 
 
-class Ledger:
+class Ledger(Listeners):
     """Live storages by identity, with per-device byte totals.
 
     Thread-safe: autograd runs CUDA backward on its own threads, and weak-reference callbacks run
@@ -38,7 +39,7 @@ class Ledger:
         #: The storages seen resized in place (`resized`), by serial: the ones `resync` re-reads.
         self._resizing: dict[int, Entry] = {}
         self._totals: dict[str, int] = {}
-        self._listeners: list[Listener] = []
+        Listeners.__init__(self)
         self._serials = itertools.count()
         self._lock = threading.RLock()
         self._packs: dict[int, PackRef] = {}
@@ -97,18 +98,6 @@ class Ledger:
         if interrupted is not None:
             raise interrupted
 
-    # -- listeners --------------------------------------------------------------------------
-    def attach(self, listener: Listener) -> None:
-        with self._lock:
-            self.settle()
-            self._listeners.append(listener)
-
-    def detach(self, listener: Listener) -> None:
-        with self._lock:
-            self.settle()
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
     # -- observations -----------------------------------------------------------------------
     def _add(self, storage: torch.UntypedStorage, nbytes: int, device: str) -> Entry:
         key = id(storage)
@@ -138,9 +127,7 @@ class Ledger:
             if entry is None:
                 # The tensor's device, not the storage's: a fake tensor's storage is on "meta".
                 entry = self._add(storage, storage.nbytes(), device_key(t.device))
-                for listener in self._listeners:
-                    if listener.device == entry.device:
-                        listener.on_discovered(entry.serial, entry.nbytes)
+                self._tell(entry.device, "on_discovered", entry.serial, entry.nbytes)
             return entry
 
     def produced(self, t: torch.Tensor, storage: torch.UntypedStorage, when: float) -> Entry:
@@ -164,9 +151,7 @@ class Ledger:
                     return entry
                 entry.nbytes = nbytes
                 self._totals[entry.device] += delta
-            for listener in self._listeners:
-                if listener.device == entry.device:
-                    listener.on_alloc(entry.serial, delta, when)
+            self._tell(entry.device, "on_alloc", entry.serial, delta, when)
             return entry
 
     def knows(self, storage: torch.UntypedStorage) -> bool:
@@ -185,9 +170,7 @@ class Ledger:
             entry = self._entries.get(id(storage))
             if entry is None:
                 entry = self._add(storage, before, device_key(storage.device))
-                for listener in self._listeners:
-                    if listener.device == entry.device:
-                        listener.on_discovered(entry.serial, before)
+                self._tell(entry.device, "on_discovered", entry.serial, before)
             self._resizing[entry.serial] = entry
             self._grew(entry, storage.nbytes(), time.perf_counter())
 
@@ -215,9 +198,7 @@ class Ledger:
         if delta:
             entry.nbytes = nbytes
             self._totals[entry.device] += delta
-            for listener in self._listeners:
-                if listener.device == entry.device:
-                    listener.on_alloc(entry.serial, delta, when)
+            self._tell(entry.device, "on_alloc", entry.serial, delta, when)
 
     def classify(self, t: torch.Tensor, category: Category) -> None:
         storage = storage_of(t)
@@ -228,9 +209,7 @@ class Ledger:
             if category in STICKY:
                 entry.category = stronger(entry.category, category)
                 self._special[entry.serial] = entry
-            for listener in self._listeners:
-                if listener.device == entry.device:
-                    listener.on_mark(entry.serial, category)
+            self._tell(entry.device, "on_mark", entry.serial, category)
 
     def saved_by(self, t: torch.Tensor, packed: torch.Tensor) -> None:
         """Autograd saved ``t`` for backward as ``packed``; its storage stays saved until
@@ -262,9 +241,7 @@ class Ledger:
         self._packs.pop(id(ref), None)
 
     def _notify_saved(self, entry: Entry, saved: bool) -> None:
-        for listener in self._listeners:
-            if listener.device == entry.device:
-                listener.on_saved(entry.serial, saved)
+        self._tell(entry.device, "on_saved", entry.serial, saved)
 
     def _freed(self, ref: StorageRef) -> None:
         """One storage's free. Safe to run again after an interrupt: each step happens once."""
@@ -279,7 +256,10 @@ class Ledger:
         while entry.notified < len(listeners):
             listener = listeners[entry.notified]
             if listener.device == entry.device:  # told again if interrupted on its way in
-                listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
+                try:
+                    listener.on_free(entry.serial, entry.nbytes, entry.category, self._when)
+                except Exception as e:  # the others still hear of it (see `_tell`)
+                    self._failed(listener, e)
             entry.notified += 1
         del self._entries[ref.key]
         self._resizing.pop(entry.serial, None)

@@ -31,21 +31,21 @@ class Preflight(Result):
     oom: OOMExplanation | None = None
     #: What the cell raised, if it did not run to its end (the verdict covers it up to there).
     raised: str | None = None
-    #: Ops whose tensors the accounting failed to take in: the replay may miss allocations or
+    #: Ops or allocations the accounting failed to take in: the replay may miss allocations or
     #: frees, so no verdict is given (the cell's report notes say why).
     lost: int = 0
 
     @property
     def fits(self) -> bool:
-        """True only when the replay saw every op and none ran out of memory."""
+        """True only when the replay saw every op and allocation, and none ran out of memory."""
         return self.oom is None and not self.lost
 
     def headline(self) -> str:
         if self.lost:
             return (
-                f"pre-flight on {self.gpu}: NO VERDICT: memlab failed to follow {self.lost} "
-                f"op(s) of this cell (the report's notes say why), so it cannot say whether the "
-                f"cell fits · peak reserved seen {fmt_bytes(self.peak_reserved)} of "
+                f"pre-flight on {self.gpu}: NO VERDICT: memlab lost track of {self.lost} of "
+                f"this cell's ops or allocations (the report's notes say why), so it cannot say "
+                f"whether the cell fits · peak reserved seen {fmt_bytes(self.peak_reserved)} of "
                 f"{fmt_bytes(self.usable)} usable"
             )
         if self.oom is None:

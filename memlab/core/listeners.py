@@ -1,0 +1,55 @@
+"""The ledger's listeners (a region's recorders, a pre-flight's replay): attached and detached
+under the ledger's lock, and told of each event one by one. A listener that raises is counted
+and its note kept; the others still hear the event, so one listener's bug never starves the rest,
+and the regions open meanwhile say how many events were lost (`memlab.track.lost`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from memlab.core.storages import Listener
+
+
+class Listeners:
+    """The listening half of `memlab.core.ledger.Ledger`."""
+
+    _lock: threading.RLock
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+        #: Events a listener raised on, and what the first few raised.
+        self.failures = 0
+        self.failure_notes: list[str] = []
+
+    def settle(self) -> None:
+        raise NotImplementedError
+
+    def attach(self, listener: Listener) -> None:
+        with self._lock:
+            self.settle()
+            self._listeners.append(listener)
+
+    def detach(self, listener: Listener) -> None:
+        with self._lock:
+            self.settle()
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _tell(self, device: str, event: str, *args: Any) -> None:
+        """Each listener on ``device`` hears ``event``; one that raises is counted, not heard."""
+        for listener in self._listeners:
+            if listener.device == device:
+                try:
+                    getattr(listener, event)(*args)
+                except Exception as e:
+                    self._failed(listener, e)
+
+    def _failed(self, listener: Listener, e: Exception) -> None:
+        self.failures += 1
+        if len(self.failure_notes) < 5:
+            try:
+                said = f"{type(e).__name__}: {e}"
+            except Exception:  # an exception whose __str__ raises too
+                said = type(e).__name__
+            self.failure_notes.append(f"{type(listener).__name__} failed: {said}")
