@@ -151,7 +151,12 @@ class Ledger(Listeners):
                     return entry
                 entry.nbytes = nbytes
                 self._totals[entry.device] += delta
-            self._tell(entry.device, "on_alloc", entry.serial, delta, when)
+            for listener in self._listeners:  # `_tell`, inline: the per-op path
+                if listener.device == entry.device:
+                    try:
+                        listener.on_alloc(entry.serial, delta, when)
+                    except Exception as e:
+                        self._failed(listener, e)
             return entry
 
     def knows(self, storage: torch.UntypedStorage) -> bool:
@@ -198,7 +203,12 @@ class Ledger(Listeners):
         if delta:
             entry.nbytes = nbytes
             self._totals[entry.device] += delta
-            self._tell(entry.device, "on_alloc", entry.serial, delta, when)
+            for listener in self._listeners:  # `_tell`, inline: the per-op path
+                if listener.device == entry.device:
+                    try:
+                        listener.on_alloc(entry.serial, delta, when)
+                    except Exception as e:
+                        self._failed(listener, e)
 
     def classify(self, t: torch.Tensor, category: Category) -> None:
         storage = storage_of(t)
@@ -209,7 +219,12 @@ class Ledger(Listeners):
             if category in STICKY:
                 entry.category = stronger(entry.category, category)
                 self._special[entry.serial] = entry
-            self._tell(entry.device, "on_mark", entry.serial, category)
+            for listener in self._listeners:  # `_tell`, inline: marked at every module call
+                if listener.device == entry.device:
+                    try:
+                        listener.on_mark(entry.serial, category)
+                    except Exception as e:
+                        self._failed(listener, e)
 
     def saved_by(self, t: torch.Tensor, packed: torch.Tensor) -> None:
         """Autograd saved ``t`` for backward as ``packed``; its storage stays saved until
