@@ -18,7 +18,7 @@ class Listeners:
 
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
-        #: Events a listener raised on, and what the first few raised.
+        #: Events a listener raised on, and what the latest few raised (repeats once).
         self.failures = 0
         self.failure_notes: list[str] = []
 
@@ -47,9 +47,10 @@ class Listeners:
 
     def _failed(self, listener: Listener, e: Exception) -> None:
         self.failures += 1
-        if len(self.failure_notes) < 5:
-            try:
-                said = f"{type(e).__name__}: {e}"
-            except Exception:  # an exception whose __str__ raises too
-                said = type(e).__name__
-            self.failure_notes.append(f"{type(listener).__name__} failed: {said}")
+        try:
+            said = f"{type(e).__name__}: {e}"
+        except Exception:  # an exception whose __str__ raises too
+            said = type(e).__name__
+        note = f"{type(listener).__name__} failed: {said}"
+        if not self.failure_notes or self.failure_notes[-1] != note:
+            self.failure_notes[:] = [*self.failure_notes[-4:], note]  # the latest few
