@@ -405,7 +405,7 @@ def test_a_rank_that_exits_is_named_not_the_rank_it_left_waiting() -> None:
 
 
 def test_a_rank_lost_in_its_teardown_after_the_job_keeps_the_jobs_answer() -> None:
-    """gloo's threads rarely abort a rank's process as Python exits ("terminate called without
+    """PyTorch rarely aborts a rank's process as Python exits ("terminate called without
     an active exception"): every fn has returned by then, so the answer is whole and comes home,
     with a warning that says what happened. Spawn: the rank exits through Python's finalization
     (atexit), as a real one does."""

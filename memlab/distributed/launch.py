@@ -143,7 +143,7 @@ def _first_failure(out: str, world_size: int, stopped: Exception) -> RankError |
 def _finished(out: str, world_size: int) -> bool:
     """Whether the job itself finished: rank 0's value is written and a rank passed the final
     barrier, which no rank reaches before every rank's ``fn`` has returned. A rank can still be
-    lost after that, in PyTorch's own teardown (gloo's threads at exit, rarely): the job's
+    lost after that, in PyTorch's own teardown (an abort at exit, rarely): the job's
     answer is whole all the same."""
     return Path(out).exists() and any(
         Path(f"{out}.rank{r}.done").exists() for r in range(world_size)
