@@ -10,18 +10,13 @@ code has a meaning without memlab compare with it (``like_plain``)."""
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from kernel_harness import Kernel, Outcome
+from kernel_harness import Kernel
+from kernel_rounds import Case, Cases, imports_this_checkout, run_case, started
 from test_hostile_kernel import (
     SETUP,
-    Check,
-    clean_state,
-    clean_traceback,
     like_plain,
     memlab_error,
     raises,
@@ -84,22 +79,8 @@ _session0 = _session()
 """
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    code: str
-    checks: tuple[Check, ...]
-    plain: str | None = None
-    setup: str = ""
-    after: tuple[tuple[str, str], ...] = ()
-
-
-CASES: list[Case] = []
-
-
-def case(id: str, code: str, *checks: Check, plain: str | None = None, setup: str = "",
-         after: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
-    CASES.append(Case(id, code, checks, plain, setup, after))
+CASES = Cases()
+case = CASES.case
 
 
 # -- mode="generate" with encoder-decoder models ---------------------------------------------
@@ -247,6 +228,7 @@ case(
     within(20),
     setup=HOSTILE,
     after=(("[i.name for i in find_retained({'losses': losses}).items]", "[]"),),
+    cleanup=CLEAN,
 )
 case(
     "leaks-find-retained-ipython-objects",
@@ -334,40 +316,13 @@ for mode in ("train", "no_grad", "eval_with_grad"):
 # -- running them ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
-    k = Kernel(str(tmp_path_factory.mktemp("ipython")), setup=SETUP + ROUND3)
-    yield k
-    k.shutdown()
+    yield from started(str(tmp_path_factory.mktemp("ipython")), SETUP + ROUND3)
 
 
 def test_the_kernel_imports_this_checkout(kernel: Kernel) -> None:
-    here = Path(__file__).resolve().parents[1] / "memlab" / "__init__.py"
-    assert kernel.value("memlab.__file__") == repr(str(here))
-
-
-def _run(kernel: Kernel, code: str) -> Outcome:
-    out = kernel.run(code, timeout=60)
-    assert out.status == "ok", f"setup failed:\n{code}\n{out.describe()}"
-    return out
+    assert imports_this_checkout(kernel)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_round3(kernel: Kernel, c: Case) -> None:
-    try:
-        if c.setup:
-            _run(kernel, c.setup)
-        plain = kernel.run(c.plain) if c.plain is not None else None
-        out = kernel.run(c.code, timeout=60)
-        for check in c.checks:
-            check(out, plain)
-        if out.status == "error" and out.traceback and c.code.startswith("%%gpumem"):
-            clean_traceback()(out, plain)
-        for expr, expected in c.after:
-            assert kernel.value(expr) == expected, f"after the cell, {expr}"
-        state = ast.literal_eval(kernel.value("_hk_state()"))
-        assert state == clean_state(), "left installed"
-        assert kernel.value("_session() == _session0") == "True", kernel.value("_session()")
-        assert kernel.alive()
-    finally:
-        kernel.run("_hk_reset()")
-        if "huge = " in c.setup:
-            kernel.run(CLEAN)
+    run_case(kernel, c, always=(("_session() == _session0", "True"),))

@@ -11,18 +11,15 @@ compare with it (``like_plain``)."""
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from kernel_harness import Kernel, Outcome
+from kernel_rounds import Case, Cases, imports_this_checkout, run_case, started
 from test_hostile_kernel import (
     SAME,
     SETUP,
     Check,
-    clean_state,
     clean_traceback,
     escaped,
     like_plain,
@@ -125,23 +122,8 @@ def _broken_finish(self):
 """
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    code: str
-    checks: tuple[Check, ...]
-    plain: str | None = None
-    setup: str = ""
-    after: tuple[tuple[str, str], ...] = ()
-    cleanup: str = ""
-
-
-CASES: list[Case] = []
-
-
-def case(id: str, code: str, *checks: Check, plain: str | None = None, setup: str = "",
-         after: tuple[tuple[str, str], ...] = (), cleanup: str = "") -> None:  # fmt: skip
-    CASES.append(Case(id, code, checks, plain, setup, after, cleanup))
+CASES = Cases()
+case = CASES.case
 
 
 def no_error_shown() -> Check:
@@ -359,50 +341,13 @@ case("line-negation-in-brackets", "%gpumem -d cpu (-torch.ones(2)).sum()", value
 # -- running them ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
-    k = Kernel(str(tmp_path_factory.mktemp("ipython")), setup=SETUP + ROUND4)
-    yield k
-    k.shutdown()
+    yield from started(str(tmp_path_factory.mktemp("ipython")), SETUP + ROUND4)
 
 
 def test_the_kernel_imports_this_checkout(kernel: Kernel) -> None:
-    here = Path(__file__).resolve().parents[1] / "memlab" / "__init__.py"
-    assert kernel.value("memlab.__file__") == repr(str(here))
-
-
-def _run(kernel: Kernel, code: str) -> Outcome:
-    out = kernel.run(code, timeout=60)
-    assert out.status == "ok", f"setup failed:\n{code}\n{out.describe()}"
-    return out
-
-
-def _plain(c: Case) -> str | None:
-    if c.plain is SAME:
-        return c.code.partition("\n")[2]
-    return c.plain
+    assert imports_this_checkout(kernel)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_round4(kernel: Kernel, c: Case) -> None:
-    cleanup = c.cleanup  # run once: at the end, or in finally if the case failed before it
-    try:
-        if c.setup:
-            _run(kernel, c.setup)
-        code = _plain(c)
-        plain = kernel.run(code) if code is not None else None
-        out = kernel.run(c.code, timeout=60)
-        for check in c.checks:
-            check(out, plain)
-        if out.status == "error" and out.traceback and c.code.startswith("%%gpumem"):
-            clean_traceback()(out, plain)
-        for expr, expected in c.after:
-            assert kernel.value(expr) == expected, f"after the cell, {expr}"
-        if cleanup:
-            cleanup, done = "", cleanup
-            _run(kernel, done)
-        state = ast.literal_eval(kernel.value("_hk_state()"))
-        assert state == clean_state(), "left installed"
-        assert kernel.alive()
-    finally:
-        if cleanup:
-            kernel.run(cleanup)
-        kernel.run("_hk_reset()")
+    run_case(kernel, c)
