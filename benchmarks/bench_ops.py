@@ -5,13 +5,16 @@ the untracked step, the same step under a dispatch mode that does nothing (the f
 accounting done in Python per op), PyTorch's MemTracker (torch.distributed._tools) where it
 imports, and PyTorch's profiler recording memory (its allocation events kept in C++). Timed by
 the process's CPU time (--wall: wall clock, for a quiet machine).
-Target (issue 23): track ≤ 1.5×, with breakdown ≤ 2× the untracked step.
+Target (issue 23): track ≤ 1.5×, with breakdown ≤ 2× the untracked step. The untracked step
+runs with PyTorch's own CPU allocator (memlab's native record wraps it from its first region on;
+a way of its own shows what the wrapper costs an untracked step).
     python benchmarks/bench_ops.py [--rounds 15] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +24,7 @@ import torch
 from common import emit, header
 
 import memlab
+from memlab.core import native
 from memlab.core._torch import TorchDispatchMode
 from memlab.core.allocations import AllocationRecord
 
@@ -33,6 +37,37 @@ class _Nothing(TorchDispatchMode):
     ) -> Any:
         _Nothing.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+_wrapper = {"in": False}
+
+
+def _untracked() -> None:
+    if _wrapper["in"]:
+        native.uninstall()  # PyTorch's own CPU allocator: the step as it runs without memlab
+        _wrapper["in"] = False
+
+
+def _wrapped() -> None:
+    if not _wrapper["in"]:
+        with memlab.track("cpu"):  # puts the wrapper in (it stays until uninstalled)
+            pass
+        _wrapper["in"] = True
+
+
+class _Env:
+    """A region measured with the native record turned off."""
+
+    def __init__(self, region: Any) -> None:
+        self.region = region
+
+    def __enter__(self) -> Any:
+        os.environ["MEMLAB_NATIVE"] = "0"
+        return self.region.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.region.__exit__(*exc)
+        os.environ.pop("MEMLAB_NATIVE", None)
 
 
 def mlp_step() -> Callable[[], None]:
@@ -72,9 +107,15 @@ def main() -> None:
     step = mlp_step()
     tracker = memtracker()
     ways: dict[str, Callable[[], Any]] = {
-        "untracked step": lambda: None,
+        # the anchor runs with memlab's allocator wrapper taken out (the native record puts it
+        # in at its first region); the next way shows what the wrapper alone costs
+        "untracked step": _untracked,
+        "untracked step, memlab's allocator wrapper in place": _wrapped,
         "a dispatch mode that does nothing": _Nothing,
         "memlab.track()": lambda: memlab.track("cpu"),
+        "memlab.track() with MEMLAB_NATIVE=0 (the dispatch mode)": lambda: _Env(
+            memlab.track("cpu")
+        ),
         "memlab.track(breakdown=True)": lambda: memlab.track("cpu", breakdown=True),
     }
     if tracker is not None:

@@ -27,6 +27,14 @@ if ! command -v dot >/dev/null 2>&1; then
   fi
 fi
 
+# A C++ compiler builds memlab's native record on first use (CPU regions without Python per op);
+# without one, memlab measures with its dispatch mode instead (slower, the same figures).
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+  if ! apt_install g++ "for memlab's native record"; then
+    echo "memlab setup: no C++ compiler; CPU regions will use the slower dispatch mode." >&2
+  fi
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   echo "memlab setup: creating $venv"
   python3 -m venv "$venv"

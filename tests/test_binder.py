@@ -31,7 +31,8 @@ def sh(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> str:
 
 @pytest.fixture(scope="module")
 def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    assert (BINDER / "apt.txt").read_text().split() == ["graphviz"]
+    # graphviz for dot; g++ for memlab's native record (compiled on first use)
+    assert (BINDER / "apt.txt").read_text().split() == ["graphviz", "g++"]
     if shutil.which("dot") is None:
         pytest.fail("graphviz's dot is missing (binder/apt.txt installs it on Binder)")
     base = tmp_path_factory.mktemp("binder")

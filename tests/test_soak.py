@@ -64,7 +64,12 @@ def _soak_installed():
         for cb in cbs
         if "memlab" in (getattr(cb, "__module__", None) or repr(cb))
     ]
+    from memlab.core import native
+
+    lib = native._lib
+    probe = torch.ones(8)
     return {
+        "CPU allocator wrapper": 0 if lib is None else lib.mn_follows(probe.data_ptr()),
         "dispatch modes": int(torch._C._len_torch_dispatch_stack()),
         "saved-tensor hooks": 0 if top is None else int(top(False) is not None),
         "module forward pre-hooks": len(m._global_forward_pre_hooks),
@@ -84,6 +89,7 @@ def _soak_installed():
 """
 
 NOTHING = {
+    "CPU allocator wrapper": 0,
     "dispatch modes": 0,
     "saved-tensor hooks": 0,
     "module forward pre-hooks": 0,

@@ -105,3 +105,57 @@ def stop_allocation_record() -> list[tuple[int, int, int]]:
             events.append((int(node.start_time_ns), int(extra.alloc_size), int(extra.ptr)))
     events.sort(key=lambda e: e[0])
     return events
+
+
+def cxx11_abi() -> bool:
+    """Whether this PyTorch was built with the C++11 string ABI: memlab's native record
+    (`memlab.core.native`) is compiled to match. Checked 2.13."""
+    return bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+
+
+def storage_from_weak(weak: int) -> torch.UntypedStorage | None:
+    """The storage behind a weak reference to a C++ ``StorageImpl`` (an address the native
+    record handed out, holding one weak count), or None if the storage has died; the weak
+    count is released either way. PyTorch keeps one Python object per live storage, so this is
+    the object ``tensor.untyped_storage()`` gives. Checked 2.13."""
+    try:
+        found: torch.UntypedStorage | None = torch.UntypedStorage._new_with_weak_ptr(weak)
+        return found
+    finally:
+        torch.UntypedStorage._free_weak_ref(weak)
+
+
+def can_force_eager() -> bool:
+    """Whether torch.compile has stances (``torch.compiler.set_stance``, PyTorch 2.6 on).
+    Checked 2.13."""
+    return callable(getattr(torch.compiler, "set_stance", None))
+
+
+def force_eager() -> Any:
+    """Compiled functions run eagerly from now (the "force_eager" stance), as they do under a
+    dispatch mode: a region measured without one (the native record) then gets the figures
+    the dispatch mode's accounting gets. Returns the stance it replaced, for
+    ``restore_stance``; raises RuntimeError inside a compiled region. Sets the stance through
+    torch._dynamo's private setter, which hands back the one it replaced
+    (``torch.compiler.set_stance`` costs several times more). Checked 2.13."""
+    import torch._dynamo.eval_frame as ef
+
+    forced = _FORCED.get("stance")
+    if forced is None:
+        forced = _FORCED["stance"] = ef.DynamoStance("force_eager")
+    return ef._set_stance(forced)
+
+
+def restore_stance(prior: Any) -> None:
+    """Puts back the stance ``force_eager`` replaced. Checked 2.13."""
+    import torch._dynamo.eval_frame as ef
+
+    ef._set_stance(prior)
+
+
+_FORCED: dict[str, Any] = {}
+
+
+def dispatch_modes_on() -> bool:
+    """Whether any dispatch mode is on (without building the list of them). Checked 2.13."""
+    return bool(torch._C._len_torch_dispatch_stack())

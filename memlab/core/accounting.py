@@ -28,6 +28,8 @@ from memlab.core.roles import Roles
 from memlab.core.storages import op_tensors, sparse_parts
 from memlab.core.warmup import warm_up
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
 
 class _Mode(OwnedMode):
     def __init__(self, accountant: Accountant) -> None:
@@ -40,7 +42,8 @@ class _Mode(OwnedMode):
         acc = self.accountant
         if acc.comms.pending:
             acc.comms.adopt(args, kwargs)
-        acc.see_inputs(args, kwargs)
+        if func is not _LIFT_FRESH:  # torch.tensor(...)'s new memory: counted as its output
+            acc.see_inputs(args, kwargs)
         started = time.perf_counter()  # an op takes its output memory when it starts
         out = func(*args, **(kwargs or {}))
         acc.see_outputs(out, started)

@@ -177,6 +177,7 @@ class Ledger(Listeners):
                 entry = self._add(storage, before, device_key(storage.device))
                 self._tell(entry.device, "on_discovered", entry.serial, before)
             self._resizing[entry.serial] = entry
+            entry.relocate()  # its memory moved
             self._grew(entry, storage.nbytes(), time.perf_counter())
 
     def resync(self) -> None:

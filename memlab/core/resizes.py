@@ -34,8 +34,15 @@ _saved: dict[str, Any] = {}
 _MISSING = object()
 
 
+#: The address of the storage being resized, before the call (while its listeners run).
+before_ptr = 0
+
+
 def _resize(self: torch.UntypedStorage, size: int) -> Any:
+    global before_ptr
     before = self.nbytes()
+    with contextlib.suppress(Exception):
+        before_ptr = self.data_ptr()
     result = _saved["original"](self, size)
     for listener in tuple(_listeners):
         with contextlib.suppress(Exception):  # bookkeeping never breaks the user's resize

@@ -22,7 +22,17 @@ class Listener(Protocol):
 
 
 class Entry:
-    __slots__ = ("alive", "category", "device", "nbytes", "notified", "ref", "saved", "serial")
+    __slots__ = (
+        "alive",
+        "category",
+        "device",
+        "nbytes",
+        "notified",
+        "ptr",
+        "ref",
+        "saved",
+        "serial",
+    )
 
     def __init__(self, serial: int, ref: StorageRef, nbytes: int, device: str) -> None:
         self.serial = serial
@@ -35,6 +45,24 @@ class Entry:
         self.alive = True
         #: Listeners told of the free so far (settling resumes there after an interrupt).
         self.notified = 0
+        #: The storage's address (0 if it has none): how the native record finds the free of
+        #: a storage the ledger follows (`memlab.core.native.region`).
+        self.ptr = 0
+        self.relocate()
+
+    def relocate(self) -> None:
+        """Reads the storage's address again (``resize_`` moves its memory)."""
+        storage = self.ref()
+        self.ptr = address_of(storage) if storage is not None else 0
+
+
+def address_of(storage: torch.UntypedStorage) -> int:
+    """A CPU storage's data address (the native record follows CPU blocks); 0 for any other
+    storage (a fake tensor's warns when asked) and for one that cannot say."""
+    try:
+        return int(storage.data_ptr()) if storage.device.type == "cpu" else 0
+    except Exception:
+        return 0
 
 
 _DEVICE_KEYS: dict[torch.device, str] = {}

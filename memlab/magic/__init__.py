@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memlab.core.native import uninstall as uninstall_native
+
 
 def load(ipython: Any, preflight: Any = None, after_oom: Any = None) -> None:
     """Registers the magics, once: loading again (``memlab.autoload`` and a notebook's own
@@ -33,3 +35,4 @@ def unload(ipython: Any) -> None:
                 del manager.magics[kind][name]
     manager.registry.pop(type(magics).__name__, None)
     del ipython._memlab_magics
+    uninstall_native()  # PyTorch's CPU allocator back as it was

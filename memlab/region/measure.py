@@ -16,7 +16,9 @@ from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.native.region import NativeNotStartedError, NativeRegion, eligible
 from memlab.core.recorder import Phase, Recorder
+from memlab.core.warmup import warm_up
 from memlab.region.args import called, check_flag, check_label, watched, weak_refs
 from memlab.region.assemble import assemble
 from memlab.reports.report import MemoryReport, Reports
@@ -77,7 +79,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._ledger = ledger if ledger is not None else default_ledger()
         self._since = since
         self._accountant: Accountant | None = None
-        self._recorders: dict[str, Recorder] = {}
+        self._recorders: dict[str, Recorder | NativeRegion] = {}
+        self._native: NativeRegion | None = None
         self._cuda: dict[str, CudaRegion] = {}
         self._state = "new"
         self._reports: Reports | None = None
@@ -96,22 +99,27 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         try:
             if needs_accounting:
                 self._ledger.resync()  # storages resized while no region was open
-                acc = self._accountant = Accountant(self._ledger, self.breakdown)
-                acc.watch(self._watched())
-                for t in _alive(self._inputs):
-                    acc.mark(t, Category.INPUT)
                 keep = self.breakdown or self.timeline
-                for target in self.targets:
-                    rec = Recorder(self._ledger, target.name, keep, acc.phase, self._since)
-                    self._recorders[target.name] = rec
+                # totals on the CPU: the native record, no Python per op (an accountant only
+                # to learn what `watch` and `inputs` name, never installed)
+                native = not keep and self._native_eligible()
+                if not native or self._watch or self._inputs:
+                    self._new_accountant()
+                if not (native and self._start_native()):
+                    acc = self._accountant or self._new_accountant()
+                    for target in self.targets:
+                        self._recorders[target.name] = Recorder(
+                            self._ledger, target.name, keep, acc.phase, self._since
+                        )
             for target in self.targets:
                 if target.index is not None:
                     self._cuda[target.name] = CudaRegion(target.index, self.reset_peak)
             for rec in self._recorders.values():
-                rec.start()
+                if rec is not self._native:  # started already
+                    rec.start()
             for cr in self._cuda.values():
                 cr.begin()
-            if self._accountant is not None:
+            if self._accountant is not None and self._native is None:
                 self._accountant.install()
         except BaseException:
             self._state = "failed"
@@ -121,6 +129,31 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         for rec in self._recorders.values():
             rec.set_origin(self._t0)
         return self
+
+    def _new_accountant(self) -> Accountant:
+        acc = self._accountant = Accountant(self._ledger, self.breakdown)
+        acc.watch(self._watched())
+        for t in _alive(self._inputs):
+            acc.mark(t, Category.INPUT)
+        return acc
+
+    def _native_eligible(self) -> bool:
+        return len(self.targets) == 1 and self.targets[0].name == "cpu" and eligible(self._ledger)
+
+    def _start_native(self) -> bool:
+        """Opens the native record (`memlab.core.native.region.eligible` said it can run);
+        False where it cannot start and the dispatch mode must measure."""
+        native = NativeRegion.open(self._ledger)
+        if native is None:
+            return False
+        warm_up()  # as the dispatch mode's install does: torch's one-time import, outside
+        try:
+            native.start()
+        except NativeNotStartedError:  # another thread's region holds it: the dispatch mode
+            return False
+        self._native = native
+        self._recorders["cpu"] = native
+        return True
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -162,10 +195,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                     acc.watch(self._watched())
                     acc.finish()
         finally:
-            for rec in self._recorders.values():
-                rec.stop()
-            for cr in self._cuda.values():
-                cr.close()
+            try:
+                for rec in self._recorders.values():
+                    rec.stop()
+            finally:
+                for cr in self._cuda.values():
+                    cr.close()
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
         """Tell the open region what a tensor is (e.g. an input created inside the region)."""
@@ -211,7 +246,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def lost(self) -> int:
         """How many ops the tensor accounting failed to take in (their bytes may be missing
         from the figures; the report's notes say why); 0 without accounting."""
-        return self._accountant.lost if self._accountant is not None else 0
+        native = self._native.lost if self._native is not None else 0
+        return native + (self._accountant.lost if self._accountant is not None else 0)
 
     @property
     def report(self) -> MemoryReport:
@@ -228,7 +264,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             seconds=self._seconds,
             label=self.label,
             raised=raised,
-            notes=list(acc.errors) if acc else [],
+            notes=(list(acc.errors) if acc else []) + (self._native.notes if self._native else []),
             timeline=self.timeline,
             driver=self.driver,
         )

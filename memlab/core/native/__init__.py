@@ -1,0 +1,166 @@
+"""memlab's native record of CPU tensor memory: ``record.cpp``, compiled on first use.
+
+The library is built once per PyTorch build and source version with the machine's C++ compiler
+(a few seconds) into memlab's cache folder (``$MEMLAB_CACHE``, else ``$XDG_CACHE_HOME/memlab``,
+else ``~/.cache/memlab``), then loaded with ctypes. Where it cannot be (no compiler, no PyTorch
+headers, not Linux, ``MEMLAB_NATIVE=0``), ``library()`` returns None, ``unavailable()`` says why,
+and memlab measures with its Python dispatch mode instead: the same figures, at more cost per op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from memlab.core._torch_record import cxx11_abi
+
+_SOURCE = Path(__file__).with_name("record.cpp")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MEMLAB_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "memlab" if xdg else Path.home() / ".cache" / "memlab"
+
+
+def enabled() -> bool:
+    """False where the user turned the native record off (``MEMLAB_NATIVE=0``)."""
+    return os.environ.get("MEMLAB_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def unavailable() -> str | None:
+    """None where the native record is loaded (building it if needed), else why not."""
+    library()
+    return _why
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built on first use; None where it cannot be (see ``unavailable``)."""
+    global _lib, _why, _tried
+    if _lib is not None:
+        return _lib
+    if not enabled():
+        _why = "turned off (MEMLAB_NATIVE=0)"
+        return None
+    if _tried:
+        return None
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _declare(ctypes.CDLL(str(_build())))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _why = str(e) or type(e).__name__
+            _tried = True
+    return _lib
+
+
+def _torch_dirs() -> tuple[Path, Path]:
+    root = Path(torch.__file__).parent
+    return root / "include", root / "lib"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    return shutil.which(cxx) if cxx else shutil.which("c++") or shutil.which("g++")
+
+
+def _build() -> Path:
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"built on Linux only (this is {sys.platform})")
+    include, lib = _torch_dirs()
+    if not (include / "ATen" / "record_function.h").is_file():
+        raise RuntimeError(f"this PyTorch has no C++ headers ({include})")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    abi = int(cxx11_abi())
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, torch.__version__.encode(), str(include).encode(), bytes([abi])])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"record-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [
+        cxx,
+        "-O2",
+        "-DNDEBUG",  # as PyTorch is built: some of its classes have debug-only fields
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{include}",
+        str(_SOURCE),
+        "-o",
+        tmp,
+        f"-L{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{lib}",
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"compiling it failed: {' / '.join(tail)}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+    up, ipp = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_ssize_t)
+    lib.mn_version.restype = ctypes.c_int
+    lib.mn_begin.argtypes = [i64]
+    lib.mn_begin.restype = ctypes.c_int
+    lib.mn_end.argtypes = []
+    lib.mn_end.restype = None
+    lib.mn_counts.argtypes = [i64p]
+    lib.mn_counts.restype = None
+    lib.mn_sweep.argtypes = [up, i64, i64p, i64p]
+    lib.mn_sweep.restype = None
+    lib.mn_survivors.argtypes = [ipp, i64p, i64]
+    lib.mn_survivors.restype = i64
+    lib.mn_reads.argtypes = [ipp, up, i64p, i64]
+    lib.mn_reads.restype = i64
+    lib.mn_resized.argtypes = [ctypes.c_size_t, ctypes.c_size_t, i64]
+    lib.mn_resized.restype = ctypes.c_int
+    lib.mn_release.argtypes = []
+    lib.mn_release.restype = None
+    lib.mn_follows.argtypes = [ctypes.c_size_t]
+    lib.mn_follows.restype = ctypes.c_int
+    lib.mn_uninstall.argtypes = []
+    lib.mn_uninstall.restype = ctypes.c_int
+    if lib.mn_version() != 1:
+        raise RuntimeError("a memlab native library of another version was loaded")
+    return lib
+
+
+def uninstall() -> bool:
+    """Puts PyTorch's CPU allocator back where the native record wrapped it (no region may be
+    open). True where nothing of the record stays installed."""
+    if _lib is None:
+        return True
+    return int(_lib.mn_uninstall()) == 0

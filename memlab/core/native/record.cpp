@@ -1,0 +1,640 @@
+// memlab's native record of a region's CPU tensor memory (loaded with ctypes; see record.py).
+//
+// Two parts, both in C++ so that no Python runs per op:
+//  * a CPU allocator that wraps PyTorch's own: every allocation and free made through it is
+//    known by address, size and order; while a region is open they are logged;
+//  * a thread-local RecordFunction callback on the region's thread: the storages each op
+//    returns mark their allocation as the accounting's (a storage an op returned), and the
+//    storages each op reads that predate the region are remembered (weakly) for the ledger.
+// What no op returns (a Python number wrapped as a tensor, a kernel's scratch buffer) is logged
+// by the allocator but never marked, so the figures are those of tensor accounting.
+//
+// One region at a time, process-wide (mn_begin answers 1 when one is open). The wrapper stays
+// installed from the first region on (so that frees of tensors made between regions are seen
+// in order) until mn_uninstall, which puts PyTorch's allocator back; blocks it handed out keep
+// its deleter, which frees them through the allocator that made them.
+
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <pthread.h>
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace {
+
+struct Block {
+  int64_t size;
+  c10::DeleterFnPtr free_fn;
+  uint64_t region;  // the region it was allocated in (0: none open)
+  int64_t index;    // its index in `allocs` if allocated in the open region
+};
+
+struct Alloc {
+  uintptr_t ptr;
+  int64_t size;
+  int64_t seq;       // order of the allocation among the region's events
+  int64_t free_seq;  // order of its free, -1 while alive
+  c10::StorageImpl* storage;  // weakly held once an op returned it, else null
+};
+
+struct Freed {
+  uintptr_t ptr;
+  int64_t size;
+  int64_t seq;
+};
+
+struct Read {
+  c10::StorageImpl* storage;  // weakly held
+  uintptr_t ptr;
+  int64_t size;
+};
+
+// Made once and never destroyed: PyTorch frees tensors during the process's exit, after this
+// library's static objects would have been destroyed.
+std::mutex& mu = *new std::mutex();
+std::unordered_map<uintptr_t, Block>& live = *new std::unordered_map<uintptr_t, Block>();
+c10::Allocator* original = nullptr;
+bool installed = false;
+uint64_t region = 0;  // the open region's number; 0 when none is open
+uint64_t regions = 0;
+int64_t seq = 0;
+std::vector<Alloc>& allocs = *new std::vector<Alloc>();
+std::vector<Freed>& earlier_frees = *new std::vector<Freed>();  // of blocks from before
+std::vector<Read>& reads = *new std::vector<Read>();
+// (place in the order, bytes added)
+std::vector<std::pair<int64_t, int64_t>>& resizes = *new std::vector<std::pair<int64_t, int64_t>>();
+// Storages already looked at as an op's input in this region, or returned by one: a later read
+// of them costs one look-up. (Each is alive, or weakly held, for the region: no address reuse.)
+std::unordered_set<c10::StorageImpl*>& read_seen = *new std::unordered_set<c10::StorageImpl*>();
+// Storages already handed to the ledger (weakly held, so an address is never reused while in
+// here): a later region's reads skip them. Pruned of the dead as it grows.
+std::unordered_set<c10::StorageImpl*>& reported = *new std::unordered_set<c10::StorageImpl*>();
+size_t prune_at = 4096;
+at::CallbackHandle handle = 0;
+int64_t marked = 0;
+int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
+bool overflow = false;
+bool held = false;  // from a region's start until its record is released (read)
+
+void counted_free(void* p) {
+  c10::DeleterFnPtr free_fn = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = live.find(reinterpret_cast<uintptr_t>(p));
+    if (it != live.end()) {
+      Block& b = it->second;
+      free_fn = b.free_fn;
+      if (region != 0) {
+        if (b.region == region) {
+          allocs[b.index].free_seq = seq++;
+        } else if (earlier_frees.size() < static_cast<size_t>(limit)) {
+          earlier_frees.push_back({it->first, b.size, seq++});
+        } else {
+          overflow = true;
+        }
+      }
+      live.erase(it);
+    }
+  }
+  if (free_fn != nullptr) {
+    free_fn(p);
+  }
+}
+
+struct Wrapper final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr dp = original->allocate(n);
+    void* data = dp.get();
+    // Only the common form (context == data) is followed; any other passes through untouched.
+    if (data == nullptr || dp.get_context() != data) {
+      return dp;
+    }
+    c10::DeleterFnPtr free_fn = dp.get_deleter();
+    c10::Device device = dp.device();
+    dp.release_context();
+    const auto key = reinterpret_cast<uintptr_t>(data);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      Block b{static_cast<int64_t>(n), free_fn, 0, -1};
+      if (region != 0) {
+        if (allocs.size() < static_cast<size_t>(limit)) {
+          b.region = region;
+          b.index = static_cast<int64_t>(allocs.size());
+          allocs.push_back({key, static_cast<int64_t>(n), seq++, -1, nullptr});
+        } else {
+          overflow = true;
+        }
+      }
+      live[key] = b;
+    }
+    return c10::DataPtr(data, data, &counted_free, device);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &counted_free;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+Wrapper& wrapper = *new Wrapper();
+
+// A fork while another thread holds the lock would leave the child's copy locked forever: the
+// lock is taken around fork, and the child, which has no region open, logs nothing.
+void before_fork() {
+  mu.lock();
+}
+void after_fork_parent() {
+  mu.unlock();
+}
+void after_fork_child() {
+  region = 0;
+  handle = 0;
+  mu.unlock();
+}
+const int fork_handlers = pthread_atfork(&before_fork, &after_fork_parent, &after_fork_child);
+
+template <typename F>
+void each_storage(const at::Tensor& t, F&& f) {
+  if (!t.defined()) {
+    return;
+  }
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const auto layout = impl->layout();
+  if (layout == c10::kStrided) {
+    if (impl->has_storage()) {  // read without taking a reference: the tensor holds one
+      f(impl->unsafe_storage().unsafeGetStorageImpl());
+    }
+  } else if (layout == c10::kSparse) {
+    auto* sparse = static_cast<at::SparseTensorImpl*>(impl);
+    each_storage(sparse->indices(), f);
+    each_storage(sparse->values(), f);
+  } else if (layout == c10::kSparseCsr || layout == c10::kSparseCsc ||
+             layout == c10::kSparseBsr || layout == c10::kSparseBsc) {
+    auto* compressed = static_cast<at::SparseCsrTensorImpl*>(impl);
+    each_storage(compressed->compressed_indices(), f);
+    each_storage(compressed->plain_indices(), f);
+    each_storage(compressed->values(), f);
+  }
+}
+
+template <typename F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    each_storage(v.toTensor(), f);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      each_storage(t, f);
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& w : v.toListRef()) {
+      if (w.isTensor()) {
+        each_storage(w.toTensor(), f);
+      }
+    }
+  } else if (v.isTuple()) {
+    for (const c10::IValue& w : v.toTupleRef().elements()) {
+      if (w.isTensor()) {
+        each_storage(w.toTensor(), f);
+      }
+    }
+  }
+}
+
+bool is_cpu(c10::StorageImpl* s) {
+  return s->device_type() == c10::DeviceType::CPU;
+}
+
+// Which ops the dispatch mode's accounting sees, followed here. A dispatch mode sits below
+// autograd: it sees the ops called from Python, by the autograd engine, by autograd's own layer
+// of an op (a saved-tensor hook's copy) and by a composite op that autograd decomposes; not the
+// ops a kernel calls inside itself (a Python number made a tensor, a dtype conversion), which
+// run below autograd, with its keys excluded on the thread. So an op called inside a seen op is
+// seen where autograd is still above it, and an op called with autograd already excluded (a
+// kernel's inside, inference mode) sees nothing inside itself. Per thread, a stack of the
+// records open: 0 not seen, 1 seen, 2 seen but with autograd excluded (what it calls is not),
+// 3 not an op (a record the autograd engine opens around a backward function).
+thread_local std::vector<char> running;
+thread_local std::unordered_set<const char*> op_names;
+
+// The last names found to be ops, by a hash of their address (a look-up in a few nanoseconds).
+thread_local const char* recent_ops[256] = {};
+
+bool is_op(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  const size_t slot = (reinterpret_cast<uintptr_t>(name) >> 4) & 255;
+  if (recent_ops[slot] == name) {
+    return true;
+  }
+  if (op_names.count(name) != 0) {  // an op's name lives in its schema: a stable address
+    recent_ops[slot] = name;
+    return true;
+  }
+  if (!fn.operator_name()) {
+    return false;  // never remembered: such a record's name is its own string
+  }
+  op_names.insert(name);
+  recent_ops[slot] = name;
+  return true;
+}
+
+char parent_frame() {
+  for (auto it = running.rbegin(); it != running.rend(); ++it) {
+    if (*it != 3) {
+      return *it;
+    }
+  }
+  return -1;  // none: called from Python
+}
+
+// An op read these storages: remember each one that predates the region, once.
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  char seen = 3;
+  if (is_op(fn)) {
+    const bool below =
+        c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality);
+    const char parent = parent_frame();
+    if (parent == -1) {
+      seen = below ? 2 : 1;
+    } else {
+      seen = (parent == 1 && !below) ? 1 : 0;
+    }
+  }
+  running.push_back(seen);
+  if (seen == 0 || seen == 3) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> g(mu);
+  if (region == 0) {
+    return nullptr;
+  }
+  bool subclass = false;
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor() && v.toTensor().defined() &&
+        v.toTensor().key_set().has(c10::DispatchKey::Python)) {
+      subclass = true;  // a tensor subclass's own Python code runs this op: the ops it calls
+    }
+    each_tensor(v, [](c10::StorageImpl* s) {
+      if (!is_cpu(s)) {
+        return;
+      }
+      if (read_seen.count(s) != 0) {  // the common case: one look-up
+        return;
+      }
+      const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
+      read_seen.insert(s);
+      if (key == 0 || reported.count(s) != 0) {
+        return;
+      }
+      auto it = live.find(key);
+      if (it != live.end() && it->second.region == region) {
+        return;  // memory of this region: an allocation, not something read
+      }
+      c10::raw::weak_intrusive_ptr::incref(s);
+      reads.push_back({s, key, static_cast<int64_t>(s->nbytes())});
+    });
+  }
+  if (subclass) {  // are seen, as a dispatch mode above the subclass sees them
+    running.back() = 1;
+  }
+  return nullptr;
+}
+
+// An op returned these storages: the allocation behind each new one is the accounting's.
+void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  char seen = 0;
+  if (!running.empty()) {
+    seen = running.back();
+    running.pop_back();
+  }
+  if (seen == 0 || seen == 3) {
+    return;
+  }
+  std::lock_guard<std::mutex> g(mu);
+  if (region == 0) {
+    return;
+  }
+  for (const c10::IValue& v : fn.outputs()) {
+    each_tensor(v, [](c10::StorageImpl* s) {
+      if (!is_cpu(s)) {
+        return;
+      }
+      auto it = live.find(reinterpret_cast<uintptr_t>(s->data_ptr().get()));
+      if (it == live.end() || it->second.region != region) {
+        return;
+      }
+      Alloc& a = allocs[it->second.index];
+      if (a.storage == nullptr) {
+        c10::raw::weak_intrusive_ptr::incref(s);
+        a.storage = s;
+        ++marked;
+        read_seen.insert(s);  // when read later: this region's, nothing to look up
+      }
+    });
+  }
+}
+
+void report(c10::StorageImpl* s) {
+  if (reported.insert(s).second) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+  }
+}
+
+void prune_reported() {
+  if (reported.size() < prune_at) {
+    return;
+  }
+  for (auto it = reported.begin(); it != reported.end();) {
+    if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
+      c10::raw::weak_intrusive_ptr::decref(*it);
+      it = reported.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  prune_at = 2 * reported.size() + 4096;
+}
+
+void drop_weak_refs() {
+  for (Alloc& a : allocs) {
+    if (a.storage != nullptr) {
+      c10::raw::weak_intrusive_ptr::decref(a.storage);
+      a.storage = nullptr;
+    }
+  }
+  for (Read& r : reads) {
+    c10::raw::weak_intrusive_ptr::decref(r.storage);
+  }
+  allocs.clear();
+  earlier_frees.clear();
+  reads.clear();
+  read_seen.clear();
+  resizes.clear();
+  marked = 0;
+  seq = 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int mn_version() {
+  return 1;
+}
+
+// Opens a region on the calling thread. 0: open; 1: another region is open (or its record is
+// not yet released); 2: PyTorch's CPU
+// allocator could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
+int mn_begin(int64_t max_events) {
+  try {
+    std::lock_guard<std::mutex> g(mu);
+    if (region != 0 || held) {
+      return 1;  // a region is open, or its record not yet read
+    }
+    if (!at::isRecordFunctionEnabled()) {
+      return 3;
+    }
+    if (!installed) {
+      c10::Allocator* current = c10::GetCPUAllocator();
+      c10::SetCPUAllocator(&wrapper, 0);
+      if (c10::GetCPUAllocator() != &wrapper) {
+        return 2;
+      }
+      original = current;
+      installed = true;
+    } else if (c10::GetCPUAllocator() != &wrapper) {
+      return 2;  // replaced since by other code: not ours to take back
+    }
+    drop_weak_refs();
+    prune_reported();
+    limit = max_events > 0 ? max_events : limit;
+    overflow = false;
+    seq = 0;
+    marked = 0;
+    region = ++regions;
+    held = true;
+    handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end)
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+    return 0;
+  } catch (...) {
+    region = 0;
+    return 3;
+  }
+}
+
+// Closes the region: no more events are logged. Its record stays readable until the next one.
+void mn_end() {
+  if (handle != 0) {
+    at::removeCallback(handle);
+    handle = 0;
+  }
+  std::lock_guard<std::mutex> g(mu);
+  region = 0;
+}
+
+// Counts: [allocations logged, of them returned by an op, earlier blocks freed, storages read,
+// 1 if events were dropped, allocations returned by an op and still alive].
+void mn_counts(int64_t* out) {
+  std::lock_guard<std::mutex> g(mu);
+  out[0] = static_cast<int64_t>(allocs.size());
+  out[1] = marked;
+  out[2] = static_cast<int64_t>(earlier_frees.size());
+  out[3] = static_cast<int64_t>(reads.size());
+  out[4] = overflow ? 1 : 0;
+  int64_t alive = 0;
+  for (const Alloc& a : allocs) {
+    alive += (a.storage != nullptr && a.free_seq < 0) ? 1 : 0;
+  }
+  out[5] = alive;
+}
+
+// The region's figures over the accounting's allocations, plus the frees of earlier blocks at
+// `known` (addresses of storages the ledger followed that died in the region; n of them).
+// out: [highest running total above the start, total at the end, known frees found in the log,
+// bytes of known frees not found (counted at the end)].
+void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int64_t* out) {
+  std::lock_guard<std::mutex> g(mu);
+  std::unordered_map<uintptr_t, int64_t> wanted;
+  wanted.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    wanted[known[i]] = known_sizes[i];
+  }
+  // Deltas by sequence number: each event has its own; a resize's goes before the event that
+  // followed it.
+  std::vector<int64_t> delta(static_cast<size_t>(seq) + 1, 0);
+  for (const auto& r : resizes) {
+    delta[r.first] += r.second;
+  }
+  for (const Alloc& a : allocs) {
+    if (a.storage == nullptr) {
+      continue;
+    }
+    delta[a.seq] += a.size;
+    if (a.free_seq >= 0) {
+      delta[a.free_seq] -= a.size;
+    }
+  }
+  int64_t found = 0;
+  for (const Freed& f : earlier_frees) {
+    auto it = wanted.find(f.ptr);
+    if (it != wanted.end()) {
+      delta[f.seq] -= it->second;
+      wanted.erase(it);
+      ++found;
+    }
+  }
+  int64_t running = 0, high = 0;
+  for (int64_t d : delta) {
+    running += d;
+    if (running > high) {
+      high = running;
+    }
+  }
+  int64_t missing = 0;
+  for (const auto& kv : wanted) {
+    missing += kv.second;
+  }
+  out[0] = high;
+  out[1] = running - missing;
+  out[2] = found;
+  out[3] = missing;
+}
+
+// The accounting's allocations still alive: a new weak reference to each storage (for
+// torch.UntypedStorage._new_with_weak_ptr; the caller frees it) and its size. Returns how many
+// were written (at most cap).
+int64_t mn_survivors(intptr_t* storages, int64_t* sizes, int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t k = 0;
+  for (const Alloc& a : allocs) {
+    if (k >= cap) {
+      break;
+    }
+    if (a.storage != nullptr && a.free_seq < 0) {
+      c10::raw::weak_intrusive_ptr::incref(a.storage);
+      report(a.storage);
+      storages[k] = reinterpret_cast<intptr_t>(a.storage);
+      sizes[k] = a.size;
+      ++k;
+    }
+  }
+  return k;
+}
+
+// The storages the region read that predate it: a new weak reference to each, its address and
+// size when first read. Returns how many were written (at most cap).
+int64_t mn_reads(intptr_t* storages, uintptr_t* ptrs, int64_t* sizes, int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t k = 0;
+  for (const Read& r : reads) {
+    if (k >= cap) {
+      break;
+    }
+    c10::raw::weak_intrusive_ptr::incref(r.storage);
+    report(r.storage);
+    storages[k] = reinterpret_cast<intptr_t>(r.storage);
+    ptrs[k] = r.ptr;
+    sizes[k] = r.size;
+    ++k;
+  }
+  return k;
+}
+
+// A storage was resized in place (UntypedStorage.resize_, outside the dispatcher): its memory
+// moved from the block at old_ptr to the one at new_ptr. Returns 1 where the storage is one an
+// op returned in this region (it follows its new block; the ledger learns it at the end), else
+// 0: its change of size, `added`, is placed here in the order, and its new block is never
+// counted as an op's (the ledger follows the storage).
+int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
+  std::lock_guard<std::mutex> g(mu);
+  if (region == 0) {
+    return 0;
+  }
+  c10::StorageImpl* owner = nullptr;
+  for (auto it = allocs.rbegin(); it != allocs.rend(); ++it) {
+    if (it->ptr == old_ptr && it->storage != nullptr) {
+      owner = it->storage;
+      break;
+    }
+  }
+  auto nb = live.find(new_ptr);
+  Alloc* fresh = nullptr;
+  if (nb != live.end() && nb->second.region == region) {
+    fresh = &allocs[nb->second.index];
+  }
+  if (owner != nullptr && old_ptr != 0) {
+    if (fresh != nullptr && fresh->storage == nullptr) {
+      c10::raw::weak_intrusive_ptr::incref(owner);
+      fresh->storage = owner;
+      ++marked;
+    }
+    return 1;
+  }
+  resizes.push_back({seq, added});
+  if (fresh != nullptr) {
+    nb->second.region = 0;  // the ledger's storage, not a new one: never marked
+    nb->second.index = -1;
+  }
+  return 0;
+}
+
+// Drops the record of the last region (its weak references keep storage objects, not their
+// memory) once it has been read.
+void mn_release() {
+  std::lock_guard<std::mutex> g(mu);
+  if (region != 0) {
+    return;
+  }
+  held = false;
+  drop_weak_refs();
+  if (allocs.capacity() > 65536) {
+    std::vector<Alloc>().swap(allocs);  // NOLINT
+    std::vector<Freed>().swap(earlier_frees);
+  }
+}
+
+// Whether the block at ptr was allocated through the wrapper and is alive.
+int mn_follows(uintptr_t ptr) {
+  std::lock_guard<std::mutex> g(mu);
+  return live.count(ptr) != 0 ? 1 : 0;
+}
+
+// Puts PyTorch's CPU allocator back (where the wrapper is still the one in place) and drops the
+// last record. 0: done or nothing to do; 1: a region is open; 2: other code replaced it since.
+int mn_uninstall() {
+  std::lock_guard<std::mutex> g(mu);
+  if (region != 0 || held) {
+    return 1;
+  }
+  drop_weak_refs();
+  for (c10::StorageImpl* s : reported) {
+    c10::raw::weak_intrusive_ptr::decref(s);
+  }
+  reported.clear();
+  if (!installed) {
+    return 0;
+  }
+  if (c10::GetCPUAllocator() != &wrapper) {
+    return 2;
+  }
+  c10::SetCPUAllocator(original, 0);
+  installed = false;
+  return 0;
+}
+}

@@ -1,0 +1,288 @@
+"""A region measured by the native record: tensor accounting's figures without Python per op.
+
+``NativeRegion`` stands in for a `memlab.core.recorder.Recorder` (start, set_origin, stop,
+tally) where a region needs only totals on the CPU: no breakdown, no timeline. During the region
+nothing of memlab runs; the native library logs each allocation and free and which storages ops
+returned and read. At the end the region is settled in one pass ("categorised once per step"):
+
+* the storages ops returned that are still alive are registered in the ledger (new memory);
+* the storages ops read that predate the region and that the ledger did not follow are
+  registered as having existed all along (they raise every figure, the start included), as
+  the dispatch mode's accounting registers them;
+* the peak is the highest running total over the allocations ops returned, their frees, and
+  the frees of storages the ledger followed, each at its place in the allocator's order.
+
+A storage the ledger followed whose memory came from before the native record was first
+installed has no place in that order: its free is counted at the end of the region (the peak
+is never too low), and the report says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, cast
+
+import torch
+
+from memlab.core import _torch, resizes
+from memlab.core._torch_record import (
+    can_force_eager,
+    dispatch_modes_on,
+    force_eager,
+    restore_stance,
+    storage_from_weak,
+)
+from memlab.core.categories import Category
+from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.native import enabled, library
+from memlab.core.recorder import Tally
+from memlab.core.resizes import following_resizes
+
+_CPU = "cpu"
+#: Events the record keeps per region (about 40 bytes each); beyond them the region is lost.
+MAX_EVENTS = 10_000_000
+# Buffers the library writes into (one region at a time, under its lock).
+_COUNTS = (ctypes.c_int64 * 6)()
+_OUT = (ctypes.c_int64 * 4)()
+_NO_ADDRESSES = (ctypes.c_size_t * 1)()
+_NO_BYTES = (ctypes.c_int64 * 1)()
+
+
+class _OnCpu:
+    """Stands for a tensor where the ledger asks only for its device: the record hands over
+    storages, not tensors."""
+
+    device = torch.device("cpu")
+
+
+_ON_CPU = cast(torch.Tensor, _OnCpu())
+
+
+def eligible(ledger: Ledger) -> bool:
+    """Whether a CPU region without breakdown or timeline can be measured natively here: the
+    library loads, the region uses the process's ledger, no dispatch mode is active (memlab's
+    own or the program's: fake tensors and the like are counted as the dispatch mode counts
+    them), compiled functions can be made to run eagerly (as under a dispatch mode), and no
+    process group is up (collectives are followed by the dispatch mode's accounting only)."""
+    if ledger is not default_ledger() or dispatch_modes_on() or not enabled():
+        return False
+    if _dist_up():
+        return False
+    return _static_ok()
+
+
+def _static_ok() -> bool:
+    ok = _STATIC.get("ok")
+    if ok is None:
+        ok = _STATIC["ok"] = can_force_eager() and library() is not None
+    return ok
+
+
+_STATIC: dict[str, bool] = {}
+
+
+def _dist_up() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+class _Frees:
+    """Listens to the ledger for the region: the frees of storages it followed before."""
+
+    device = _CPU
+
+    def __init__(self, ledger: Ledger, first: int) -> None:
+        self.ledger = ledger
+        self.first = first
+        self.freed: dict[int, int] = {}  # address -> bytes
+
+    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
+        if serial < self.first:
+            entry = self.ledger._by_serial.get(serial)
+            if entry is not None and entry.ptr:
+                self.freed[entry.ptr] = nbytes
+
+    def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        pass
+
+    def on_discovered(self, serial: int, nbytes: int) -> None:
+        pass
+
+    def on_mark(self, serial: int, category: Category) -> None:
+        pass
+
+    def on_saved(self, serial: int, saved: bool) -> None:
+        pass
+
+
+class NativeRegion:
+    """One CPU region measured by the native record. ``open`` returns None where it cannot
+    start (another native region is open, or the allocator was replaced by other code): the
+    caller then measures with the dispatch mode."""
+
+    device = _CPU
+
+    def __init__(self, ledger: Ledger, lib: Any) -> None:
+        self.ledger = ledger
+        self._lib = lib
+        self._frees: _Frees | None = None
+        self._open = False
+        self.before = 0
+        self._tally: Tally | None = None
+        self.notes: list[str] = []
+        #: Events the record could not keep (its log was full): the figures may be short.
+        self.lost = 0
+        self._stance: Any = None
+        self._resizing: Any = None
+        #: Bytes of storages first seen when resized in the region (they raise its start).
+        self._resize_found = 0
+
+    @classmethod
+    def open(cls, ledger: Ledger) -> NativeRegion | None:
+        lib = library()
+        if lib is None:
+            return None
+        return cls(ledger, lib)
+
+    # -- the Recorder's lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        ledger = self.ledger
+        with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
+            ledger.settle()
+            self.before = ledger._totals.get(_CPU, 0)
+            frees = self._frees = _Frees(ledger, next(ledger._serials))
+            ledger._listeners.append(frees)
+        resizing = following_resizes(self._resized)
+        try:
+            resizing.__enter__()
+            try:
+                try:
+                    self._stance = force_eager()
+                except RuntimeError as e:  # inside a compiled region: the dispatch mode
+                    raise NativeNotStartedError(4) from e
+                code = self._lib.mn_begin(MAX_EVENTS)
+                if code != 0:
+                    restore_stance(self._stance)
+                    raise NativeNotStartedError(code)
+            except BaseException:
+                resizing.__exit__(None, None, None)
+                raise
+        except BaseException:
+            ledger.detach(frees)
+            raise
+        self._resizing = resizing
+        self._open = True
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
+        try:
+            ptr = storage.data_ptr()
+        except Exception:
+            ptr = 0
+        added = storage.nbytes() - before
+        if self._lib.mn_resized(resizes.before_ptr, ptr, added):
+            return  # a storage of this region's: the record follows it to its new memory
+        if not self.ledger.knows(storage):
+            self._resize_found += before  # it existed all along, at its old size
+        self.ledger.resized(storage, before)
+
+    def set_origin(self, t0: float) -> None:
+        pass
+
+    def stop(self) -> None:
+        """Ends the record and settles the region; safe to call again after a Ctrl-C cut it
+        short (the settling is done again, and registering a storage twice is a no-op)."""
+        frees = self._frees
+        if frees is None or self._tally is not None:
+            return
+        if self._open:
+            self._open = False
+            self._lib.mn_end()
+            try:
+                restore_stance(self._stance)
+            finally:
+                self._resizing.__exit__(None, None, None)
+            if dispatch_modes_on():  # none was on when the region opened
+                left_on = _torch.dispatch_mode_stack()
+                names = ", ".join(type(m).__name__ for m in left_on)
+                self.notes.append(f"dispatch mode(s) the code entered and left on: {names}")
+        try:
+            self._tally = self._settle(self._lib, frees)
+        except KeyboardInterrupt:
+            raise  # the record stays held: `track` closes again and the settling is redone
+        except BaseException:
+            self._lib.mn_release()
+            raise
+        else:
+            self._lib.mn_release()  # the next region may start
+        finally:
+            self.ledger.detach(frees)
+
+    def tally(self, breakdown: bool, used: Any = ()) -> Tally:
+        if self._tally is None:
+            raise RuntimeError("the native record's region was not closed")
+        return self._tally
+
+    # -- the one pass at the end --------------------------------------------------------------
+    def _settle(self, lib: Any, frees: _Frees) -> Tally:
+        ledger = self.ledger
+        counts = _COUNTS
+        lib.mn_counts(counts)
+        _, _, _, n_reads, overflow, n_alive = counts
+        if overflow:
+            self.lost += 1
+            self.notes.append(
+                f"the native record's log was full ({MAX_EVENTS:,} events): figures may be "
+                "short (set MEMLAB_NATIVE=0 to measure with the dispatch mode)"
+            )
+        discovered = 0
+        dead_reads: dict[int, int] = {}
+        with ledger._lock:
+            ledger.settle()  # the region's frees of followed storages, heard by `frees`
+            if n_reads:
+                weak = (ctypes.c_ssize_t * n_reads)()
+                ptrs = (ctypes.c_size_t * n_reads)()
+                sizes = (ctypes.c_int64 * n_reads)()
+                k = lib.mn_reads(weak, ptrs, sizes, n_reads)
+                for i in range(k):
+                    storage = storage_from_weak(weak[i])
+                    if storage is None:  # read, then freed in the region
+                        if ptrs[i] not in frees.freed:
+                            dead_reads[ptrs[i]] = sizes[i]
+                    elif not ledger.knows(storage):
+                        discovered += ledger.existing(_ON_CPU, storage).nbytes
+            if n_alive:
+                weak = (ctypes.c_ssize_t * n_alive)()
+                sizes = (ctypes.c_int64 * n_alive)()
+                k = lib.mn_survivors(weak, sizes, n_alive)
+                when = time.perf_counter()
+                for i in range(k):
+                    storage = storage_from_weak(weak[i])
+                    if storage is not None:
+                        ledger.produced(_ON_CPU, storage, when)
+            known = {**frees.freed, **dead_reads}
+            n = len(known)
+            if n:
+                addresses = (ctypes.c_size_t * n)(*known.keys())
+                nbytes = (ctypes.c_int64 * n)(*known.values())
+            else:
+                addresses, nbytes = _NO_ADDRESSES, _NO_BYTES
+            out = _OUT
+            lib.mn_sweep(addresses, n, nbytes, out)
+            high, _, _, missing = out
+            after = ledger.total(_CPU)
+        before = self.before + discovered + sum(dead_reads.values()) + self._resize_found
+        if missing:
+            self.notes.append(
+                f"{missing:,} B freed here belonged to tensors made before memlab's native "
+                "record started; those frees are counted at the region's end, so the peak may "
+                "be higher than it was"
+            )
+        return Tally(before, after, before + high, None, None, None, None, None, None)
+
+
+class NativeNotStartedError(RuntimeError):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the native record did not start (code {code})")
+        self.code = code
