@@ -48,12 +48,23 @@ class Entry:
         #: The storage's address (0 if it has none): how the native record finds the free of
         #: a storage the ledger follows (`memlab.core.native.region`).
         self.ptr = 0
-        self.relocate()
+        if _ADDRESSES[0]:
+            self.relocate()
 
     def relocate(self) -> None:
         """Reads the storage's address again (``resize_`` moves its memory)."""
         storage = self.ref()
         self.ptr = address_of(storage) if storage is not None else 0
+
+
+#: Whether entries read their storage's address: only once the native record's allocator
+#: wrapper is in (a block from before it has no place in its log, so its address is no use).
+_ADDRESSES = [False]
+
+
+def follow_addresses() -> None:
+    """From now on, each new entry keeps its storage's address (`memlab.core.native`)."""
+    _ADDRESSES[0] = True
 
 
 def address_of(storage: torch.UntypedStorage) -> int:

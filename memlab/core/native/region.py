@@ -38,6 +38,7 @@ from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native import enabled, library
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
+from memlab.core.storages import follow_addresses
 
 _CPU = "cpu"
 #: Events the record keeps per region (about 40 bytes each); beyond them the region is lost.
@@ -96,12 +97,15 @@ class _Frees:
         self.ledger = ledger
         self.first = first
         self.freed: dict[int, int] = {}  # address -> bytes
+        self.unplaced = 0
 
     def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
         if serial < self.first:
             entry = self.ledger._by_serial.get(serial)
             if entry is not None and entry.ptr:
                 self.freed[entry.ptr] = nbytes
+            else:  # from before the wrapper: no place in its log (counted at the end)
+                self.unplaced += nbytes
 
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
         pass
@@ -173,6 +177,7 @@ class NativeRegion:
             raise
         self._resizing = resizing
         self._open = True
+        follow_addresses()
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
@@ -271,6 +276,7 @@ class NativeRegion:
             out = _OUT
             lib.mn_sweep(addresses, n, nbytes, out)
             high, _, _, missing = out
+            missing += frees.unplaced
             after = ledger.total(_CPU)
         before = self.before + discovered + sum(dead_reads.values()) + self._resize_found
         if missing:
