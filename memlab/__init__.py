@@ -74,10 +74,13 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext memlab``: register the magics. Does not initialise CUDA."""
+    """``%load_ext memlab``: register the magics, and load the native record (or start building
+    it on a thread of its own). Does not initialise CUDA."""
+    from memlab.core import native
     from memlab.magic import load
 
     load(ipython, preflight=_preflight, after_oom=_after_oom)
+    native.prepare()
 
 
 def _preflight(spec: str, namespace: dict[str, Any], hidden: Any) -> Any:

@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_record_ready() -> None:
+    """memlab builds its native record on a thread of its own where a cell would otherwise wait;
+    the tests wait for it once, so that every region is measured the same way from the first."""
+    from memlab.core import native
+
+    native.unavailable()
+
+
 @pytest.fixture(autouse=True)
 def fresh_ledger(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Each test gets its own process ledger, so tensors an earlier test left alive (pytest keeps

@@ -469,3 +469,44 @@ def test_a_ctrl_c_while_settling_still_gives_the_figures(monkeypatch: pytest.Mon
     with memlab.track("cpu") as again:
         torch.ones(10)
     assert again._native is not None and again.report.peak_delta == 40
+
+
+def test_a_new_ledger_finds_what_an_older_one_was_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record skips storages it already handed to the ledger; handed to another ledger
+    (tests give each their own), they are found again."""
+    from memlab.core import ledger
+
+    x = torch.ones(500)
+    with memlab.track("cpu") as first:
+        x.sum()
+    assert first._native is not None and first.report.allocated_before == 2000
+    monkeypatch.setattr(ledger, "_DEFAULT", ledger.Ledger())
+    with memlab.track("cpu") as second:
+        x.sum()
+    assert second._native is not None and second.report.allocated_before == 2000
+
+
+def test_the_first_build_never_makes_a_region_wait(tmp_path: Any) -> None:
+    """With an empty cache, ``prepare()`` (what ``%load_ext memlab`` calls) starts the compiler
+    on a thread of its own and returns; a region meanwhile measures with the dispatch mode, the
+    same figures; once built, regions are native."""
+    code = (
+        "import time, torch, memlab\n"
+        "from memlab.core import native\n"
+        "t0 = time.perf_counter(); native.prepare(); took = time.perf_counter() - t0\n"
+        "assert took < 1.0, took\n"
+        "with memlab.track('cpu') as t:\n"
+        "    y = torch.ones(100) * 2\n"
+        "assert t._native is None and t.report.peak_delta == 800, (t._native, t.report)\n"
+        "assert native.unavailable() is None\n"
+        "with memlab.track('cpu') as t:\n"
+        "    z = torch.ones(100) * 2\n"
+        "assert t._native is not None and t.report.peak_delta == 800, t.report\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "MEMLAB_CACHE": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so" and "record" in p.name]

@@ -16,7 +16,8 @@ from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.native.region import NativeNotStartedError, NativeRegion, eligible
+from memlab.core.native.eligible import eligible
+from memlab.core.native.region import NativeNotStartedError, NativeRegion
 from memlab.core.recorder import Phase, Recorder
 from memlab.core.warmup import warm_up
 from memlab.region.args import called, check_flag, check_label, watched, weak_refs
@@ -141,7 +142,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         return len(self.targets) == 1 and self.targets[0].name == "cpu" and eligible(self._ledger)
 
     def _start_native(self) -> bool:
-        """Opens the native record (`memlab.core.native.region.eligible` said it can run);
+        """Opens the native record (`memlab.core.native.eligible` said it can run);
         False where it cannot start and the dispatch mode must measure."""
         native = NativeRegion.open(self._ledger)
         if native is None:

@@ -44,13 +44,22 @@ def enabled() -> bool:
 
 
 def unavailable() -> str | None:
-    """None where the native record is loaded (building it if needed), else why not."""
+    """None where the native record is loaded (building it if needed, and waiting for a build
+    already under way), else why not."""
     library()
     return _why
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, built on first use; None where it cannot be (see ``unavailable``)."""
+def settled() -> bool:
+    """Whether loading was tried and is over (loaded or failed), not still being built."""
+    return _lib is not None or _tried
+
+
+def library(wait: bool = True) -> ctypes.CDLL | None:
+    """The loaded library, built on first use; None where it cannot be (see ``unavailable``).
+    ``wait=False`` never waits for a compiler: a library already built is loaded at once,
+    otherwise a build starts on a thread of its own and None is returned until it is done
+    (the caller measures with the dispatch mode meanwhile: the same figures)."""
     global _lib, _why, _tried
     if _lib is not None:
         return _lib
@@ -58,6 +67,9 @@ def library() -> ctypes.CDLL | None:
         _why = "turned off (MEMLAB_NATIVE=0)"
         return None
     if _tried:
+        return None
+    if not wait and not _built():
+        _build_in_background()
         return None
     with _lock:
         if not _tried:
@@ -67,6 +79,34 @@ def library() -> ctypes.CDLL | None:
                 _why = str(e) or type(e).__name__
             _tried = True
     return _lib
+
+
+def prepare() -> None:
+    """Loads the library now, or starts building it on a thread of its own (``%load_ext
+    memlab`` calls this, so that the first tracked cell does not wait for the compiler)."""
+    library(wait=False)
+
+
+_builder: list[threading.Thread] = []
+
+
+def _build_in_background() -> None:
+    with _lock_start:
+        if not _builder:
+            thread = threading.Thread(target=library, name="memlab-native-build", daemon=True)
+            _builder.append(thread)
+            thread.start()
+
+
+_lock_start = threading.Lock()
+
+
+def _built() -> bool:
+    """Whether this PyTorch's library is already in the cache (loading it takes milliseconds)."""
+    try:
+        return _target().is_file()
+    except (OSError, RuntimeError):
+        return False
 
 
 def _torch_dirs() -> tuple[Path, Path]:
@@ -79,23 +119,42 @@ def _compiler() -> str | None:
     return shutil.which(cxx) if cxx else shutil.which("c++") or shutil.which("g++")
 
 
+_TARGETS: dict[Path, Path] = {}
+
+
+def _target() -> Path:
+    """Where this PyTorch's build of the library lives in the cache."""
+    cache = cache_dir()
+    found = _TARGETS.get(cache)
+    if found is None:
+        include = _torch_dirs()[0]
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    _SOURCE.read_bytes(),
+                    torch.__version__.encode(),
+                    str(include).encode(),
+                    bytes([int(cxx11_abi())]),
+                ]
+            )
+        ).hexdigest()[:16]
+        found = _TARGETS[cache] = cache / f"record-{key}.so"
+    return found
+
+
 def _build() -> Path:
     if not sys.platform.startswith("linux"):
         raise RuntimeError(f"built on Linux only (this is {sys.platform})")
     include, lib = _torch_dirs()
     if not (include / "ATen" / "record_function.h").is_file():
         raise RuntimeError(f"this PyTorch has no C++ headers ({include})")
+    target = _target()
+    if target.is_file():
+        return target
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     abi = int(cxx11_abi())
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, torch.__version__.encode(), str(include).encode(), bytes([abi])])
-    ).hexdigest()[:16]
-    target = cache_dir() / f"record-{key}.so"
-    if target.is_file():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -133,7 +192,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
     up, ipp = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_ssize_t)
     lib.mn_version.restype = ctypes.c_int
-    lib.mn_begin.argtypes = [i64]
+    lib.mn_begin.argtypes = [i64, i64]
     lib.mn_begin.restype = ctypes.c_int
     lib.mn_end.argtypes = []
     lib.mn_end.restype = None
@@ -153,7 +212,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_follows.restype = ctypes.c_int
     lib.mn_uninstall.argtypes = []
     lib.mn_uninstall.restype = ctypes.c_int
-    if lib.mn_version() != 1:
+    if lib.mn_version() != 2:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
 

@@ -83,6 +83,7 @@ std::unordered_set<c10::StorageImpl*>& read_seen = *new std::unordered_set<c10::
 // here): a later region's reads skip them. Pruned of the dead as it grows.
 std::unordered_set<c10::StorageImpl*>& reported = *new std::unordered_set<c10::StorageImpl*>();
 size_t prune_at = 4096;
+int64_t reported_to = 0;  // the ledger they were handed to (its Python identity)
 at::CallbackHandle handle = 0;
 int64_t marked = 0;
 int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
@@ -353,6 +354,13 @@ void report(c10::StorageImpl* s) {
   }
 }
 
+void forget_reported() {
+  for (c10::StorageImpl* s : reported) {
+    c10::raw::weak_intrusive_ptr::decref(s);
+  }
+  reported.clear();
+}
+
 void prune_reported() {
   if (reported.size() < prune_at) {
     return;
@@ -392,13 +400,13 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 1;
+  return 2;
 }
 
-// Opens a region on the calling thread. 0: open; 1: another region is open (or its record is
+// Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open; 1: another region is open (or its record is
 // not yet released); 2: PyTorch's CPU
 // allocator could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
-int mn_begin(int64_t max_events) {
+int mn_begin(int64_t max_events, int64_t ledger) {
   try {
     std::lock_guard<std::mutex> g(mu);
     if (region != 0 || held) {
@@ -419,6 +427,10 @@ int mn_begin(int64_t max_events) {
       return 2;  // replaced since by other code: not ours to take back
     }
     drop_weak_refs();
+    if (ledger != reported_to) {  // another ledger: it knows none of the storages reported
+      forget_reported();
+      reported_to = ledger;
+    }
     prune_reported();
     limit = max_events > 0 ? max_events : limit;
     overflow = false;
@@ -623,10 +635,7 @@ int mn_uninstall() {
     return 1;
   }
   drop_weak_refs();
-  for (c10::StorageImpl* s : reported) {
-    c10::raw::weak_intrusive_ptr::decref(s);
-  }
-  reported.clear();
+  forget_reported();
   if (!installed) {
     return 0;
   }

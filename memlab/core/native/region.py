@@ -27,15 +27,14 @@ import torch
 
 from memlab.core import _torch, resizes
 from memlab.core._torch_record import (
-    can_force_eager,
     dispatch_modes_on,
     force_eager,
     restore_stance,
     storage_from_weak,
 )
 from memlab.core.categories import Category
-from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.native import enabled, library
+from memlab.core.ledger import Ledger
+from memlab.core.native import library
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
 from memlab.core.storages import follow_addresses
@@ -58,34 +57,6 @@ class _OnCpu:
 
 
 _ON_CPU = cast(torch.Tensor, _OnCpu())
-
-
-def eligible(ledger: Ledger) -> bool:
-    """Whether a CPU region without breakdown or timeline can be measured natively here: the
-    library loads, the region uses the process's ledger, no dispatch mode is active (memlab's
-    own or the program's: fake tensors and the like are counted as the dispatch mode counts
-    them), compiled functions can be made to run eagerly (as under a dispatch mode), and no
-    process group is up (collectives are followed by the dispatch mode's accounting only)."""
-    if ledger is not default_ledger() or dispatch_modes_on() or not enabled():
-        return False
-    if _dist_up():
-        return False
-    return _static_ok()
-
-
-def _static_ok() -> bool:
-    ok = _STATIC.get("ok")
-    if ok is None:
-        ok = _STATIC["ok"] = can_force_eager() and library() is not None
-    return ok
-
-
-_STATIC: dict[str, bool] = {}
-
-
-def _dist_up() -> bool:
-    dist = getattr(torch, "distributed", None)
-    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 class _Frees:
@@ -165,7 +136,7 @@ class NativeRegion:
                     self._stance = force_eager()
                 except RuntimeError as e:  # inside a compiled region: the dispatch mode
                     raise NativeNotStartedError(4) from e
-                code = self._lib.mn_begin(MAX_EVENTS)
+                code = self._lib.mn_begin(MAX_EVENTS, id(ledger))
                 if code != 0:
                     restore_stance(self._stance)
                     raise NativeNotStartedError(code)

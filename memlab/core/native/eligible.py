@@ -1,0 +1,45 @@
+"""Whether a region can be measured by the native record here (`memlab.core.native.region`)."""
+
+from __future__ import annotations
+
+import torch
+
+from memlab.core._torch_record import can_force_eager, dispatch_modes_on
+from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.native import enabled, library, settled
+
+
+def eligible(ledger: Ledger) -> bool:
+    """Whether a CPU region without breakdown or timeline can be measured natively here: the
+    library loads, the region uses the process's ledger, no dispatch mode is active (memlab's
+    own or the program's: fake tensors and the like are counted as the dispatch mode counts
+    them), compiled functions can be made to run eagerly (as under a dispatch mode), and no
+    process group is up (collectives are followed by the dispatch mode's accounting only)."""
+    if ledger is not default_ledger() or dispatch_modes_on() or not enabled():
+        return False
+    if _dist_up():
+        return False
+    return _static_ok()
+
+
+def _static_ok() -> bool:
+    ok = _STATIC.get("ok")
+    if ok is not None:
+        return ok
+    if not can_force_eager():
+        _STATIC["ok"] = False
+        return False
+    if library(wait=False) is not None:  # never waits for the compiler
+        _STATIC["ok"] = True
+        return True
+    if settled():  # tried and failed: no need to ask again
+        _STATIC["ok"] = False
+    return False
+
+
+_STATIC: dict[str, bool] = {}
+
+
+def _dist_up() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return dist is not None and dist.is_available() and dist.is_initialized()
