@@ -510,3 +510,25 @@ def test_the_first_build_never_makes_a_region_wait(tmp_path: Any) -> None:
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so" and "record" in p.name]
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_a_storage_marked_inside_the_region_counts_from_its_start(
+    native_on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``track.mark`` on a tensor the ledger never saw registers it as older memory: the
+    region's start, peak and end all rise by its bytes, natively as under the dispatch mode."""
+    from memlab.core.categories import Category
+
+    monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
+    layer = nn.Linear(10, 10)  # watched: the region has an accountant to take the mark
+    unseen = torch.ones(250)
+    with memlab.track("cpu", watch=[layer]) as t:
+        x = torch.ones(2, 10)
+        y = layer(x)
+        t.mark(unseen, Category.INPUT)
+    assert (t._native is not None) == native_on
+    r = t.report
+    weights = 4 * (10 * 10 + 10)
+    assert r.allocated_before == weights + 1000
+    assert r.allocated_after - r.allocated_before == x.nbytes + y.nbytes

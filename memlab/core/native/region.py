@@ -69,6 +69,7 @@ class _Frees:
         self.first = first
         self.freed: dict[int, int] = {}  # address -> bytes
         self.unplaced = 0
+        self.discovered = 0
 
     def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
         if serial < self.first:
@@ -82,7 +83,9 @@ class _Frees:
         pass
 
     def on_discovered(self, serial: int, nbytes: int) -> None:
-        pass
+        # a storage from before the region, first seen now (read by an op, marked, resized):
+        # it raises every figure of the region, its start included
+        self.discovered += nbytes
 
     def on_mark(self, serial: int, category: Category) -> None:
         pass
@@ -110,8 +113,6 @@ class NativeRegion:
         self.lost = 0
         self._stance: Any = None
         self._resizing: Any = None
-        #: Bytes of storages first seen when resized in the region (they raise its start).
-        self._resize_found = 0
 
     @classmethod
     def open(cls, ledger: Ledger) -> NativeRegion | None:
@@ -159,9 +160,7 @@ class NativeRegion:
         added = storage.nbytes() - before
         if self._lib.mn_resized(resizes.before_ptr, ptr, added):
             return  # a storage of this region's: the record follows it to its new memory
-        if not self.ledger.knows(storage):
-            self._resize_found += before  # it existed all along, at its old size
-        self.ledger.resized(storage, before)
+        self.ledger.resized(storage, before)  # one new to it: found at its old size
 
     def set_origin(self, t0: float) -> None:
         pass
@@ -186,14 +185,17 @@ class NativeRegion:
         try:
             self._tally = self._settle(self._lib, frees)
         except KeyboardInterrupt:
-            raise  # the record stays held: `track` closes again and the settling is redone
+            raise  # record and listener stay: `track` closes again and the settling is redone
         except BaseException:
-            self._lib.mn_release()
+            self._done(frees)
             raise
-        else:
-            self._lib.mn_release()  # the next region may start
-        finally:
+        self._done(frees)
+
+    def _done(self, frees: _Frees) -> None:
+        try:
             self.ledger.detach(frees)
+        finally:
+            self._lib.mn_release()  # the next region may start
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         if self._tally is None:
@@ -212,7 +214,6 @@ class NativeRegion:
                 f"the native record's log was full ({MAX_EVENTS:,} events): figures may be "
                 "short (set MEMLAB_NATIVE=0 to measure with the dispatch mode)"
             )
-        discovered = 0
         dead_reads: dict[int, int] = {}
         with ledger._lock:
             ledger.settle()  # the region's frees of followed storages, heard by `frees`
@@ -226,8 +227,8 @@ class NativeRegion:
                     if storage is None:  # read, then freed in the region
                         if ptrs[i] not in frees.freed:
                             dead_reads[ptrs[i]] = sizes[i]
-                    elif not ledger.knows(storage):
-                        discovered += ledger.existing(_ON_CPU, storage).nbytes
+                    else:  # registered if new to the ledger (heard by `frees`)
+                        ledger.existing(_ON_CPU, storage)
             if n_alive:
                 weak = (ctypes.c_ssize_t * n_alive)()
                 sizes = (ctypes.c_int64 * n_alive)()
@@ -249,7 +250,7 @@ class NativeRegion:
             high, _, _, missing = out
             missing += frees.unplaced
             after = ledger.total(_CPU)
-        before = self.before + discovered + sum(dead_reads.values()) + self._resize_found
+        before = self.before + frees.discovered + sum(dead_reads.values())
         if missing:
             self.notes.append(
                 f"{missing:,} B freed here belonged to tensors made before memlab's native "
