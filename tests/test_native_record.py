@@ -532,3 +532,39 @@ def test_a_storage_marked_inside_the_region_counts_from_its_start(
     weights = 4 * (10 * 10 + 10)
     assert r.allocated_before == weights + 1000
     assert r.allocated_after - r.allocated_before == x.nbytes + y.nbytes
+
+
+def test_a_self_check_that_disagrees_turns_the_record_off() -> None:
+    """The first CPU region runs a small step both ways; where they disagree (as another
+    PyTorch's internals could make them), memlab measures with the dispatch mode, says why, and
+    takes its allocator wrapper out. Child process: the check runs once a process."""
+    code = (
+        "import torch, memlab\n"
+        "from memlab.core import native\n"
+        "from memlab.core.native import check\n"
+        "check._native = lambda lib: (1, 2, 3)  # as if the record had measured otherwise\n"
+        "lib = native.library()\n"
+        "with memlab.track('cpu') as t:\n"
+        "    y = torch.ones(100) * 2\n"
+        "assert t._native is None and t.report.peak_delta == 800, t.report\n"
+        "why = native.unavailable()\n"
+        "assert why and 'self-check disagreed' in why, why\n"
+        "assert lib.mn_follows(torch.ones(8).data_ptr()) == 0\n"
+        "print('ok')\n"
+    )
+    _child(code)
+
+
+def test_the_self_check_leaves_the_programs_random_numbers_alone() -> None:
+    code = (
+        "import torch, memlab\n"
+        "torch.manual_seed(3)\n"
+        "expected = torch.rand(4)\n"
+        "torch.manual_seed(3)\n"
+        "with memlab.track('cpu') as t:  # the first region: the self-check runs here\n"
+        "    pass\n"
+        "assert t._native is not None\n"
+        "assert torch.equal(torch.rand(4), expected)\n"
+        "print('ok')\n"
+    )
+    _child(code)

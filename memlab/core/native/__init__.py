@@ -223,3 +223,11 @@ def uninstall() -> bool:
     if _lib is None:
         return True
     return int(_lib.mn_uninstall()) == 0
+
+
+def disable(why: str) -> None:
+    """Stops using the library for the rest of the process (its self-check failed): the
+    allocator wrapper comes out, and ``unavailable()`` says ``why``."""
+    global _lib, _why, _tried
+    uninstall()
+    _lib, _why, _tried = None, f"turned off: {why}", True

@@ -6,7 +6,8 @@ import torch
 
 from memlab.core._torch_record import can_force_eager, dispatch_modes_on
 from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.native import enabled, library, settled
+from memlab.core.native import disable, enabled, library, settled
+from memlab.core.native.check import self_check
 
 
 def eligible(ledger: Ledger) -> bool:
@@ -29,9 +30,13 @@ def _static_ok() -> bool:
     if not can_force_eager():
         _STATIC["ok"] = False
         return False
-    if library(wait=False) is not None:  # never waits for the compiler
-        _STATIC["ok"] = True
-        return True
+    lib = library(wait=False)  # never waits for the compiler
+    if lib is not None:
+        why = self_check(lib)  # once a process: the same figures as the dispatch mode's
+        if why is not None:
+            disable(why)
+        _STATIC["ok"] = why is None
+        return why is None
     if settled():  # tried and failed: no need to ask again
         _STATIC["ok"] = False
     return False

@@ -1,0 +1,88 @@
+"""The native record's check of itself, once a process: a small training step measured natively
+and under the dispatch mode, each on a ledger of its own, must give the same figures.
+
+The library is compiled against whichever PyTorch is installed; it is tested on this project's
+(2.13), and this check is what stands between another release's changed internals (which ops
+a RecordFunction reports, which dispatch keys a kernel runs with) and a wrong figure: where the
+two disagree, memlab measures with the dispatch mode for the rest of the process and
+`memlab.core.native.unavailable()` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memlab.core.accounting import Accountant
+from memlab.core.ledger import Ledger
+from memlab.core.recorder import Recorder
+
+
+def _workload() -> Callable[[], Any]:
+    """Fresh objects each time: a linear layer's forward and backward (autograd's engine, a
+    saved input, gradients made), an in-place op, a view, a tensor made from Python data, and
+    a free of a tensor made before."""
+    # no random numbers: the check must not move the program's generator
+    weight = torch.linspace(-1.0, 1.0, 128).reshape(8, 16).requires_grad_()
+    bias = torch.zeros(8, requires_grad=True)
+    x = torch.arange(64, dtype=torch.float32).reshape(4, 16) / 64
+    older = {"t": torch.ones(64)}
+
+    def body() -> list[torch.Tensor]:
+        out = torch.nn.functional.linear(x, weight, bias).relu()
+        out.square().sum().backward()
+        del older["t"]
+        kept = torch.tensor([1.0, 2.0, 3.0]) * 2
+        kept.add_(1)
+        return [kept.view(3, 1), torch.cat([x, x])]
+
+    return body
+
+
+def _native(lib: Any) -> tuple[int, int, int]:
+    from memlab.core.native.region import NativeRegion
+
+    body = _workload()
+    region = NativeRegion(Ledger(), lib)
+    region.start()
+    try:
+        kept = body()
+    finally:
+        region.stop()
+    tally = region.tally(False)
+    del kept
+    return (tally.before, tally.after, tally.peak)
+
+
+def _dispatch() -> tuple[int, int, int]:
+    body = _workload()
+    ledger = Ledger()
+    acc = Accountant(ledger, False)
+    rec = Recorder(ledger, "cpu", False, acc.phase)
+    rec.start()
+    acc.install()
+    try:
+        kept = body()
+    finally:
+        acc.uninstall()
+        rec.stop()
+    tally = rec.tally(False)
+    del kept
+    return (tally.before, tally.after, tally.peak)
+
+
+def self_check(lib: Any) -> str | None:
+    """None where the native record and the dispatch mode agree on the check's step, else what
+    each measured (before, after, peak)."""
+    try:
+        native, dispatch = _native(lib), _dispatch()
+    except Exception as e:  # the record could not even run it
+        return f"its self-check failed ({type(e).__name__}: {e})"
+    if native != dispatch:
+        return (
+            f"its self-check disagreed with the dispatch mode on this PyTorch "
+            f"({torch.__version__}): before, after, peak {native} against {dispatch}"
+        )
+    return None
