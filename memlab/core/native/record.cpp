@@ -252,7 +252,7 @@ bool is_op(const at::RecordFunction& fn) {
   return true;
 }
 
-char parent_frame() {
+int parent_frame() {  // an int: plain char is unsigned on some machines
   for (auto it = running.rbegin(); it != running.rend(); ++it) {
     if (*it != 3) {
       return *it;
@@ -267,7 +267,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (is_op(fn)) {
     const bool below =
         c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality);
-    const char parent = parent_frame();
+    const int parent = parent_frame();
     if (parent == -1) {
       seen = below ? 2 : 1;
     } else {
@@ -403,9 +403,9 @@ int mn_version() {
   return 2;
 }
 
-// Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open; 1: another region is open (or its record is
-// not yet released); 2: PyTorch's CPU
-// allocator could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
+// Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
+// 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
+// could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
 int mn_begin(int64_t max_events, int64_t ledger) {
   try {
     std::lock_guard<std::mutex> g(mu);
@@ -438,6 +438,7 @@ int mn_begin(int64_t max_events, int64_t ledger) {
     marked = 0;
     region = ++regions;
     held = true;
+    running.clear();  // records left open by an earlier region that closed inside an op
     handle = at::addThreadLocalCallback(
         at::RecordFunctionCallback(&on_start, &on_end)
             .needsInputs(true)
