@@ -594,35 +594,38 @@ def test_the_report_and_a_real_models_graph_read_in_the_dark_theme(
         keep(graph.locator(".jp-OutputArea"), name, request)
 
 
+def preflight_shown(
+    page: Any, lab: LabServer, request: pytest.FixtureRequest, theme: str, name: str
+) -> str:
+    """Runs the pre-flight notebook ``name`` in ``theme``, checks its report's frames read,
+    keeps a screenshot (product-<name>-<theme>.png) and returns the report's text."""
+    nb = open_in(page, lab, f"{name}.ipynb", theme)
+    nb.run_all(timeout=180)
+    assert not nb.errors(), nb.errors()
+    out = nb.cell(1).locator(".jp-OutputArea")
+    shown: str = out.inner_text()
+    MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
+    keep(out, f"product-{name}-{slug(theme)}.png", request)
+    return shown
+
+
 @pytest.mark.parametrize("theme", [LIGHT, DARK], ids=slug)
 def test_a_pre_flight_that_would_not_fit_reads_in_the_theme(
     page: Any, lab: LabServer, request: pytest.FixtureRequest, theme: str
 ) -> None:
-    nb = open_in(page, lab, "preflight.ipynb", theme)
-    nb.run_all(timeout=180)
-    assert not nb.errors(), nb.errors()
-    out = nb.cell(1).locator(".jp-OutputArea")
-    shown = out.inner_text()
+    shown = preflight_shown(page, lab, request, theme, "preflight")
     assert "would run OUT OF MEMORY at line 4" in shown, shown
     assert "net(x).sum().backward()" in shown and "fits" in shown  # the line, then the levers
-    MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
-    keep(out, f"product-preflight-{slug(theme)}.png", request)
 
 
 @pytest.mark.parametrize("theme", [LIGHT, DARK], ids=slug)
 def test_a_pre_flight_without_a_verdict_says_so_in_the_theme(
     page: Any, lab: LabServer, request: pytest.FixtureRequest, theme: str
 ) -> None:
-    nb = open_in(page, lab, "preflight-lost.ipynb", theme)
-    nb.run_all(timeout=180)
-    assert not nb.errors(), nb.errors()
-    out = nb.cell(1).locator(".jp-OutputArea")
-    shown = out.inner_text()
+    shown = preflight_shown(page, lab, request, theme, "preflight-lost")
     assert "NO VERDICT: memlab lost track of 1 of this cell" in shown, shown
     assert "the replay's own bug" in shown  # the report's notes say why
     assert ": fits" not in shown
-    MEASURED.setdefault("faint figures", []).extend(check_frames_readable(nb.cell(1)))
-    keep(out, f"product-preflight-lost-{slug(theme)}.png", request)
 
 
 # -- problems once seen, measured above -----------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from memlab.core._torch import PATCH_LOCK
+from memlab.core.storages import address_of
 
 #: Called with the storage and its size in bytes before the resize.
 ResizeListener = Callable[[torch.UntypedStorage, int], None]
@@ -41,8 +42,7 @@ before_ptr = 0
 def _resize(self: torch.UntypedStorage, size: int) -> Any:
     global before_ptr
     before = self.nbytes()
-    with contextlib.suppress(Exception):
-        before_ptr = self.data_ptr()
+    before_ptr = address_of(self)
     result = _saved["original"](self, size)
     for listener in tuple(_listeners):
         with contextlib.suppress(Exception):  # bookkeeping never breaks the user's resize

@@ -37,7 +37,7 @@ from memlab.core.ledger import Ledger
 from memlab.core.native import library
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
-from memlab.core.storages import follow_addresses
+from memlab.core.storages import address_of, follow_addresses
 
 _CPU = "cpu"
 #: Events the record keeps per region (about 40 bytes each); beyond them the region is lost.
@@ -133,10 +133,7 @@ class NativeRegion:
         try:
             resizing.__enter__()
             try:
-                try:
-                    self._stance = force_eager()
-                except RuntimeError as e:  # inside a compiled region: the dispatch mode
-                    raise NativeNotStartedError(4) from e
+                self._stance = _eager()
                 code = self._lib.mn_begin(MAX_EVENTS, id(ledger))
                 if code != 0:
                     restore_stance(self._stance)
@@ -153,12 +150,8 @@ class NativeRegion:
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
-        try:
-            ptr = storage.data_ptr()
-        except Exception:
-            ptr = 0
         added = storage.nbytes() - before
-        if self._lib.mn_resized(resizes.before_ptr, ptr, added):
+        if self._lib.mn_resized(resizes.before_ptr, address_of(storage), added):
             return  # a storage of this region's: the record follows it to its new memory
         self.ledger.resized(storage, before)  # one new to it: found at its old size
 
@@ -258,6 +251,15 @@ class NativeRegion:
                 "be higher than it was"
             )
         return Tally(before, after, before + high, None, None, None, None, None, None)
+
+
+def _eager() -> Any:
+    """``force_eager``, or NativeNotStartedError inside a compiled region (where the stance
+    cannot change): the dispatch mode measures there."""
+    try:
+        return force_eager()
+    except RuntimeError as e:
+        raise NativeNotStartedError(4) from e
 
 
 class NativeNotStartedError(RuntimeError):
