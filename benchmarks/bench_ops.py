@@ -44,7 +44,9 @@ _wrapper = {"in": False}
 
 def _untracked() -> None:
     if _wrapper["in"]:
-        native.uninstall()  # PyTorch's own CPU allocator: the step as it runs without memlab
+        # PyTorch's own CPU allocator: the step as it runs without memlab (the record's
+        # dispatch-key fallback stays registered: it runs only where a region includes its key)
+        native.uninstall(keep_fallback=True)
         _wrapper["in"] = False
 
 
@@ -104,6 +106,7 @@ def main() -> None:
     )
     ap.add_argument("--out")
     args = ap.parse_args()
+    native.unavailable()  # waits for a first build of the record (a compiler beside the timings)
     step = mlp_step()
     tracker = memtracker()
     ways: dict[str, Callable[[], Any]] = {

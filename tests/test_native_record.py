@@ -206,6 +206,19 @@ def hf_gpt2_step() -> Callable[[], Any]:
     return step
 
 
+def func_transforms() -> Callable[[], Any]:
+    """torch.func: per-sample gradients by vmap over grad (functorch's own dispatch keys and
+    layers between the program and the record)."""
+    from torch.func import grad, vmap
+
+    w, xs = torch.randn(64, 64), torch.randn(8, 64)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu().sum()
+
+    return lambda: vmap(grad(loss))(xs)
+
+
 def hf_bert_inference() -> Callable[[], Any]:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
@@ -236,6 +249,7 @@ WORKLOADS: dict[str, Workload] = {
     "raising": raising_body,
     "hf-gpt2-step": hf_gpt2_step,
     "hf-bert-inference": hf_bert_inference,
+    "func-vmap-grad": func_transforms,
 }
 
 
@@ -258,13 +272,35 @@ def test_the_native_record_is_built_here() -> None:
 PERTURBED = {"transformer-layer"}
 
 
+#: How the record follows ops: where PyTorch has the dispatch key (2.13), a C++ fallback at it;
+#: elsewhere RecordFunction. Both are tested here (the second forced, as on an older PyTorch).
+ROUTES = ["dispatch key", "RecordFunction"]
+
+
+#: Workloads a route cannot follow: it says so instead (the figures are not compared).
+NOT_FOLLOWED = {"RecordFunction": {"func-vmap-grad"}}
+
+
+@pytest.fixture
+def route(request: pytest.FixtureRequest) -> Any:
+    lib = native.library()
+    assert lib is not None
+    lib.mn_prefer_records(int(request.param == "RecordFunction"))
+    yield request.param
+    lib.mn_prefer_records(0)
+
+
+@pytest.mark.parametrize("route", ROUTES, indirect=True)
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_native_figures_equal_the_dispatch_modes(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     build = WORKLOADS[name]
     slow = figures(build, False, monkeypatch)
     fast = figures(build, True, monkeypatch)
+    assert native.route() == route
+    if name in NOT_FOLLOWED.get(route, ()):
+        return  # (see test_a_transform_the_record_cannot_follow_is_said)
     assert fast[2] > fast[0]  # the region allocated something
     if name in PERTURBED:
         assert fast[:2] == slow[:2] and fast[2] < slow[2], (fast, slow)
@@ -389,6 +425,77 @@ def test_a_fork_after_regions_does_not_hang() -> None:
     _child(code)
 
 
+@pytest.mark.parametrize("route", ["RecordFunction"], indirect=True)
+def test_a_transform_the_record_cannot_follow_is_said(route: str) -> None:
+    """The RecordFunction route (a PyTorch without the dispatch key) does not follow the ops a
+    torch.func transform runs inside its own kernels: the region counts as lost (a pre-flight
+    says NO VERDICT) and the report says why and what to do."""
+    body = func_transforms()
+    with memlab.track("cpu") as t:
+        body()
+    assert native.route() == route and t.lost >= 1
+    assert any("torch.func" in n and "MEMLAB_NATIVE=0" in n for n in t.report.notes)
+
+
+@pytest.mark.skipif(
+    not native.has_mode_key(native._torch_dirs()[0]), reason="this PyTorch has no such key"
+)
+def test_the_dispatch_key_route_is_used_and_its_key_left_off_after_every_region() -> None:
+    """Where PyTorch has the key, regions use it; the key is on the region's thread only while
+    the region is open, whether the body returns, raises or is interrupted; the fallback is
+    taken out with the record (child process: the unload must find it registered)."""
+    code = (
+        "import torch, memlab\n"
+        "from memlab.core import native\n"
+        "inc = lambda: 'Fake' in str(torch._C._dispatch_tls_local_include_set())\n"
+        "def reg():\n"
+        "    t = torch._C._dispatch_dump_table('aten::add.Tensor')\n"
+        "    return any(l.startswith('Fake:') and 'memlab' in l for l in t.splitlines())\n"
+        "assert not reg()\n"
+        "seen = []\n"
+        "with memlab.track('cpu') as t:\n"
+        "    seen.append(inc())\n"
+        "    y = torch.ones(100) * 2\n"
+        "assert native.route() == 'dispatch key' and t.report.peak_delta == 800, t.report\n"
+        "assert seen == [True] and not inc() and reg()\n"
+        "for exc in (ValueError, KeyboardInterrupt):\n"
+        "    try:\n"
+        "        with memlab.track('cpu'):\n"
+        "            raise exc('in the body')\n"
+        "    except exc:\n"
+        "        pass\n"
+        "    assert not inc()\n"
+        "assert native.uninstall() and not reg()\n"
+        "with memlab.track('cpu') as t:  # registered again\n"
+        "    y = torch.ones(100) * 2\n"
+        "assert native.route() == 'dispatch key' and t.report.peak_delta == 800, t.report\n"
+        "print('ok')\n"
+    )
+    _child(code)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_inside_a_region_leaves_the_child_without_the_key() -> None:
+    """A DataLoader's workers fork inside a measured step: the child has no region open, and
+    must not keep the key on (every op of the child through the fallback) nor hang."""
+    code = (
+        "import os, torch, memlab\n"
+        "inc = lambda: 'Fake' in str(torch._C._dispatch_tls_local_include_set())\n"
+        "with memlab.track('cpu') as t:\n"
+        "    x = torch.ones(1000)\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        ok = not inc() and float((x * 2).sum()) == 2000.0\n"
+        "        os._exit(0 if ok else 3)\n"
+        "    status = os.waitpid(pid, 0)[1]\n"
+        "    y = x * 2\n"
+        "assert status == 0, status\n"
+        "assert t.report.peak_delta == 8000, t.report\n"
+        "print('ok')\n"
+    )
+    _child(code)
+
+
 def test_a_free_older_than_the_record_is_counted_at_the_end_and_said() -> None:
     """A tensor the ledger followed from before the wrapper was first installed has no place
     in the allocator's order: its free is counted at the end (the peak is not too low), and
@@ -432,12 +539,12 @@ def test_the_record_is_released_once_read() -> None:
     an op); once the region is settled it holds nothing (no storage object kept alive)."""
     lib = native.library()
     assert lib is not None
-    counts = (ctypes.c_int64 * 6)()
+    counts = (ctypes.c_int64 * 6)()  # (the library writes as many as it is told)
     with memlab.track("cpu"):
         y = torch.ones(7) + 1
-        lib.mn_counts(counts)
+        lib.mn_counts(counts, 6)
         assert counts[0] >= 2 and counts[1] >= 2 and counts[4] == 0, list(counts)
-    lib.mn_counts(counts)
+    lib.mn_counts(counts, 6)
     assert list(counts) == [0] * 6
     assert y.sum().item() == 14
 

@@ -135,22 +135,27 @@ def force_eager() -> Any:
     """Compiled functions run eagerly from now (the "force_eager" stance), as they do under a
     dispatch mode: a region measured without one (the native record) then gets the figures
     the dispatch mode's accounting gets. Returns the stance it replaced, for
-    ``restore_stance``; raises RuntimeError inside a compiled region. Sets the stance through
-    torch._dynamo's private setter, which hands back the one it replaced
-    (``torch.compiler.set_stance`` costs several times more). Checked 2.13."""
-    import torch._dynamo.eval_frame as ef
+    ``restore_stance``; raises RuntimeError inside a compiled region. Does what torch._dynamo's
+    private setter does (refuse inside a compiled region, swap the module's stance) without
+    its per-call import: ``torch.compiler.set_stance`` costs several times more, and this runs
+    at every native region. Checked 2.13."""
+    ef, callback = _FORCED.get("module"), _FORCED.get("callback")
+    if ef is None or callback is None:
+        import torch._dynamo.eval_frame as ef
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback as callback
 
-    forced = _FORCED.get("stance")
-    if forced is None:
-        forced = _FORCED["stance"] = ef.DynamoStance("force_eager")
-    return ef._set_stance(forced)
+        _FORCED["module"], _FORCED["callback"] = ef, callback
+        _FORCED["stance"] = ef.DynamoStance("force_eager")
+    if callback() not in (False, None):
+        raise RuntimeError("attempted to set_stance in a torch.compile region")
+    prior = ef._stance
+    ef._stance = _FORCED["stance"]
+    return prior
 
 
 def restore_stance(prior: Any) -> None:
     """Puts back the stance ``force_eager`` replaced. Checked 2.13."""
-    import torch._dynamo.eval_frame as ef
-
-    ef._set_stance(prior)
+    _FORCED["module"]._stance = prior
 
 
 _FORCED: dict[str, Any] = {}

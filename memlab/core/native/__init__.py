@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,6 +156,8 @@ def _build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     abi = int(cxx11_abi())
+    # the dispatch-key route where this PyTorch has the key it uses (see record.cpp)
+    key = ["-DMN_MODE_KEY"] if has_mode_key(include) else []
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -168,6 +171,7 @@ def _build() -> Path:
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{include}",
+        *key,
         str(_SOURCE),
         "-o",
         tmp,
@@ -188,6 +192,26 @@ def _build() -> Path:
     return target
 
 
+def has_mode_key(include: Path) -> bool:
+    """Whether this PyTorch's dispatcher has the key the record's fallback sits at (``Fake``:
+    below autograd and the Python key, above the backends; PyTorch 2.13 declares it and uses
+    it for nothing yet). Where it does not, ops are followed through RecordFunction."""
+    try:
+        text = (include / "c10" / "core" / "DispatchKey.h").read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(r"^\s*Fake,", text, re.MULTILINE) is not None
+
+
+def route() -> str | None:
+    """How the last native region followed ops: "dispatch key" (a C++ fallback at a dispatch
+    mode's rank: one boxing per op), "RecordFunction" (a record per op and per op inside it),
+    or None where the library is not loaded."""
+    if _lib is None:
+        return None
+    return "dispatch key" if int(_lib.mn_route()) == 1 else "RecordFunction"
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
     up, ipp = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_ssize_t)
@@ -196,7 +220,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_begin.restype = ctypes.c_int
     lib.mn_end.argtypes = []
     lib.mn_end.restype = None
-    lib.mn_counts.argtypes = [i64p]
+    lib.mn_counts.argtypes = [i64p, i64]
     lib.mn_counts.restype = None
     lib.mn_sweep.argtypes = [up, i64, i64p, i64p]
     lib.mn_sweep.restype = None
@@ -210,19 +234,26 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_release.restype = None
     lib.mn_follows.argtypes = [ctypes.c_size_t]
     lib.mn_follows.restype = ctypes.c_int
-    lib.mn_uninstall.argtypes = []
+    lib.mn_uninstall.argtypes = [ctypes.c_int]
     lib.mn_uninstall.restype = ctypes.c_int
-    if lib.mn_version() != 2:
+    lib.mn_route.argtypes = []
+    lib.mn_route.restype = ctypes.c_int
+    lib.mn_prefer_records.argtypes = [ctypes.c_int]
+    lib.mn_prefer_records.restype = None
+    if lib.mn_version() != 3:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
 
 
-def uninstall() -> bool:
-    """Puts PyTorch's CPU allocator back where the native record wrapped it (no region may be
-    open). True where nothing of the record stays installed."""
+def uninstall(keep_fallback: bool = False) -> bool:
+    """Puts PyTorch's CPU allocator back where the native record wrapped it, and takes its
+    dispatch-key fallback out (no region may be open). True where nothing of the record stays
+    installed. ``keep_fallback``: the fallback stays (it does nothing while no region is open;
+    the benchmarks' untracked anchor, which would otherwise pay a millisecond to register it
+    again at every round)."""
     if _lib is None:
         return True
-    return int(_lib.mn_uninstall()) == 0
+    return int(_lib.mn_uninstall(int(keep_fallback))) == 0
 
 
 def disable(why: str) -> None:

@@ -3,9 +3,10 @@ and under the dispatch mode, each on a ledger of its own, must give the same fig
 
 The library is compiled against whichever PyTorch is installed; it is tested on this project's
 (2.13), and this check is what stands between another release's changed internals (which ops
-a RecordFunction reports, which dispatch keys a kernel runs with) and a wrong figure: where the
-two disagree, memlab measures with the dispatch mode for the rest of the process and
-`memlab.core.native.unavailable()` says why.
+reach the dispatch key the record's fallback sits at, which ops a RecordFunction reports and
+with which dispatch keys excluded) and a wrong figure: where the two disagree, memlab measures
+with the dispatch mode for the rest of the process and `memlab.core.native.unavailable()` says
+why.
 """
 
 from __future__ import annotations

@@ -3,9 +3,14 @@
 // Two parts, both in C++ so that no Python runs per op:
 //  * a CPU allocator that wraps PyTorch's own: every allocation and free made through it is
 //    known by address, size and order; while a region is open they are logged;
-//  * a thread-local RecordFunction callback on the region's thread: the storages each op
-//    returns mark their allocation as the accounting's (a storage an op returned), and the
-//    storages each op reads that predate the region are remembered (weakly) for the ledger.
+//  * an observer of the ops a dispatch mode would see, on the region's thread: the storages
+//    each op returns mark their allocation as the accounting's (a storage an op returned), and
+//    the storages each op reads that predate the region are remembered (weakly) for the
+//    ledger. Two routes to the same ops: where PyTorch declares the dispatch key `Fake` (2.13;
+//    nothing of PyTorch's is registered at it), a boxed fallback at that key, which sits where
+//    a Python dispatch mode does (one boxing per op seen: see mode_fallback); elsewhere a
+//    thread-local RecordFunction callback, which sees every op and every op inside one and
+//    tells them apart by the dispatch keys excluded on the thread (see on_start).
 // What no op returns (a Python number wrapped as a tensor, a kernel's scratch buffer) is logged
 // by the allocator but never marked, so the figures are those of tensor accounting.
 //
@@ -17,6 +22,7 @@
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
@@ -88,7 +94,10 @@ at::CallbackHandle handle = 0;
 int64_t marked = 0;
 int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
 bool overflow = false;
+bool transformed = false;  // the RecordFunction route saw ops inside a torch.func transform
 bool held = false;  // from a region's start until its record is released (read)
+// Whether this thread includes the dispatch key of the key route (see mode_fallback).
+thread_local bool key_included = false;
 
 void counted_free(void* p) {
   c10::DeleterFnPtr free_fn = nullptr;
@@ -164,6 +173,12 @@ void after_fork_parent() {
 void after_fork_child() {
   region = 0;
   handle = 0;
+#ifdef MN_MODE_KEY
+  if (key_included) {  // forked inside a region, on its thread: the child has none open
+    c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, false);
+    key_included = false;
+  }
+#endif
   mu.unlock();
 }
 const int fork_handlers = pthread_atfork(&before_fork, &after_fork_parent, &after_fork_child);
@@ -261,7 +276,47 @@ int parent_frame() {  // an int: plain char is unsigned on some machines
   return -1;  // none: called from Python
 }
 
-// An op read these storages: remember each one that predates the region, once.
+// A storage an op read: remembered (weakly) where it predates the region, once. Under `mu`.
+void read_storage(c10::StorageImpl* s) {
+  if (!is_cpu(s)) {
+    return;
+  }
+  if (read_seen.count(s) != 0) {  // the common case: one look-up
+    return;
+  }
+  const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
+  read_seen.insert(s);
+  if (key == 0 || reported.count(s) != 0) {
+    return;
+  }
+  auto it = live.find(key);
+  if (it != live.end() && it->second.region == region) {
+    return;  // memory of this region: an allocation, not something read
+  }
+  c10::raw::weak_intrusive_ptr::incref(s);
+  reads.push_back({s, key, static_cast<int64_t>(s->nbytes())});
+}
+
+// A storage an op returned: the allocation behind it, if new in the region, is the
+// accounting's. Under `mu`.
+void returned_storage(c10::StorageImpl* s) {
+  if (!is_cpu(s)) {
+    return;
+  }
+  auto it = live.find(reinterpret_cast<uintptr_t>(s->data_ptr().get()));
+  if (it == live.end() || it->second.region != region) {
+    return;
+  }
+  Alloc& a = allocs[it->second.index];
+  if (a.storage == nullptr) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+    a.storage = s;
+    ++marked;
+    read_seen.insert(s);  // when read later: this region's, nothing to look up
+  }
+}
+
+// The RecordFunction route: an op read these storages.
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   char seen = 3;
   if (is_op(fn)) {
@@ -282,31 +337,18 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (region == 0) {
     return nullptr;
   }
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    // inside a torch.func transform: its layers run the ops on plain tensors inside kernels of
+    // their own, where this route does not follow them (the dispatch-key route does)
+    transformed = true;
+  }
   bool subclass = false;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor() && v.toTensor().defined() &&
         v.toTensor().key_set().has(c10::DispatchKey::Python)) {
       subclass = true;  // a tensor subclass's own Python code runs this op: the ops it calls
     }
-    each_tensor(v, [](c10::StorageImpl* s) {
-      if (!is_cpu(s)) {
-        return;
-      }
-      if (read_seen.count(s) != 0) {  // the common case: one look-up
-        return;
-      }
-      const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
-      read_seen.insert(s);
-      if (key == 0 || reported.count(s) != 0) {
-        return;
-      }
-      auto it = live.find(key);
-      if (it != live.end() && it->second.region == region) {
-        return;  // memory of this region: an allocation, not something read
-      }
-      c10::raw::weak_intrusive_ptr::incref(s);
-      reads.push_back({s, key, static_cast<int64_t>(s->nbytes())});
-    });
+    each_tensor(v, read_storage);
   }
   if (subclass) {  // are seen, as a dispatch mode above the subclass sees them
     running.back() = 1;
@@ -314,7 +356,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   return nullptr;
 }
 
-// An op returned these storages: the allocation behind each new one is the accounting's.
+// The RecordFunction route: an op returned these storages.
 void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   char seen = 0;
   if (!running.empty()) {
@@ -329,24 +371,75 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
     return;
   }
   for (const c10::IValue& v : fn.outputs()) {
-    each_tensor(v, [](c10::StorageImpl* s) {
-      if (!is_cpu(s)) {
-        return;
-      }
-      auto it = live.find(reinterpret_cast<uintptr_t>(s->data_ptr().get()));
-      if (it == live.end() || it->second.region != region) {
-        return;
-      }
-      Alloc& a = allocs[it->second.index];
-      if (a.storage == nullptr) {
-        c10::raw::weak_intrusive_ptr::incref(s);
-        a.storage = s;
-        ++marked;
-        read_seen.insert(s);  // when read later: this region's, nothing to look up
-      }
-    });
+    each_tensor(v, returned_storage);
   }
 }
+
+#ifdef MN_MODE_KEY
+// The dispatch-key route (where PyTorch has a key of a dispatch mode's rank that nothing uses:
+// `Fake`, below autograd and the Python key, above the backends): while a region is open, the
+// key is included on its thread (and so on the autograd engine's, which copies the thread's
+// state), and this boxed fallback sees every op a Python dispatch mode would see, with no
+// record made for the ops a kernel calls inside itself (the key is excluded while the kernel
+// runs, as a Python mode is while its __torch_dispatch__ runs). An op costs one boxing.
+constexpr c10::DispatchKey kModeKey = c10::DispatchKey::Fake;
+c10::RegistrationHandleRAII* key_fallback = nullptr;
+
+void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const size_t n_in = op.schema().arguments().size();
+  uint64_t mine = 0;
+  if (n_in <= stack->size()) {
+    std::lock_guard<std::mutex> g(mu);
+    mine = region;
+    if (mine != 0) {
+      for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n_in); it != stack->end(); ++it) {
+        each_tensor(*it, read_storage);
+      }
+    }
+  }
+  {
+    c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
+    op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
+  }
+  if (mine == 0) {
+    return;
+  }
+  const size_t n_out = op.schema().returns().size();
+  std::lock_guard<std::mutex> g(mu);
+  if (region != mine || n_out > stack->size()) {
+    return;
+  }
+  for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n_out); it != stack->end(); ++it) {
+    each_tensor(*it, returned_storage);
+  }
+}
+
+// 0: the fallback is registered (now or before); 1: the key has a fallback or kernels of
+// PyTorch's own (the RecordFunction route is used).
+int register_key_fallback() {
+  if (key_fallback != nullptr) {
+    return 0;
+  }
+  auto& d = c10::Dispatcher::singleton();
+  if (!d.getRegistrationsForDispatchKey(kModeKey).empty()) {
+    return 1;  // PyTorch's own kernels at that key: ours would not see those ops
+  }
+  try {
+    key_fallback = new c10::RegistrationHandleRAII(d.registerFallback(
+        kModeKey, c10::KernelFunction::makeFromBoxedFunction<&mode_fallback>(), "memlab"));
+  } catch (...) {
+    return 1;  // a fallback of PyTorch's own
+  }
+  return 0;
+}
+
+void unregister_key_fallback() {
+  delete key_fallback;  // its destructor takes the fallback out
+  key_fallback = nullptr;
+}
+#endif
+
+bool prefer_records = false;  // tests: the RecordFunction route even where the key is free
 
 void report(c10::StorageImpl* s) {
   if (reported.insert(s).second) {
@@ -400,7 +493,20 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 2;
+  return 3;
+}
+
+// The route the last region was recorded by: 1 the dispatch key's fallback, 0 RecordFunction.
+int route = 0;
+
+int mn_route() {
+  return route;
+}
+
+// Tests: 1 records regions by RecordFunction even where the dispatch key is free.
+void mn_prefer_records(int yes) {
+  std::lock_guard<std::mutex> g(mu);
+  prefer_records = yes != 0;
 }
 
 // Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
@@ -434,11 +540,24 @@ int mn_begin(int64_t max_events, int64_t ledger) {
     prune_reported();
     limit = max_events > 0 ? max_events : limit;
     overflow = false;
+    transformed = false;
     seq = 0;
     marked = 0;
     region = ++regions;
     held = true;
     running.clear();  // records left open by an earlier region that closed inside an op
+    route = 0;
+#ifdef MN_MODE_KEY
+    // (a key this thread includes already and not by us: someone else's; the other route)
+    if (!prefer_records &&
+        (key_included || !c10::impl::tls_is_dispatch_key_included(kModeKey)) &&
+        register_key_fallback() == 0) {
+      c10::impl::tls_set_dispatch_key_included(kModeKey, true);
+      key_included = true;
+      route = 1;
+      return 0;
+    }
+#endif
     handle = at::addThreadLocalCallback(
         at::RecordFunctionCallback(&on_start, &on_end)
             .needsInputs(true)
@@ -457,24 +576,35 @@ void mn_end() {
     at::removeCallback(handle);
     handle = 0;
   }
+#ifdef MN_MODE_KEY
+  if (key_included) {  // called on the region's thread, where it was included
+    c10::impl::tls_set_dispatch_key_included(kModeKey, false);
+    key_included = false;
+  }
+#endif
   std::lock_guard<std::mutex> g(mu);
   region = 0;
 }
 
 // Counts: [allocations logged, of them returned by an op, earlier blocks freed, storages read,
-// 1 if events were dropped, allocations returned by an op and still alive].
-void mn_counts(int64_t* out) {
+// 1 if events were dropped, allocations returned by an op and still alive, 1 if the
+// RecordFunction route saw a torch.func transform].
+void mn_counts(int64_t* out, int64_t n) {  // writes the first n (at most 7)
   std::lock_guard<std::mutex> g(mu);
-  out[0] = static_cast<int64_t>(allocs.size());
-  out[1] = marked;
-  out[2] = static_cast<int64_t>(earlier_frees.size());
-  out[3] = static_cast<int64_t>(reads.size());
-  out[4] = overflow ? 1 : 0;
   int64_t alive = 0;
   for (const Alloc& a : allocs) {
     alive += (a.storage != nullptr && a.free_seq < 0) ? 1 : 0;
   }
-  out[5] = alive;
+  const int64_t all[7] = {static_cast<int64_t>(allocs.size()),
+                          marked,
+                          static_cast<int64_t>(earlier_frees.size()),
+                          static_cast<int64_t>(reads.size()),
+                          overflow ? 1 : 0,
+                          alive,
+                          transformed ? 1 : 0};
+  for (int64_t i = 0; i < n && i < 7; ++i) {
+    out[i] = all[i];
+  }
 }
 
 // The region's figures over the accounting's allocations, plus the frees of earlier blocks at
@@ -630,13 +760,20 @@ int mn_follows(uintptr_t ptr) {
 
 // Puts PyTorch's CPU allocator back (where the wrapper is still the one in place) and drops the
 // last record. 0: done or nothing to do; 1: a region is open; 2: other code replaced it since.
-int mn_uninstall() {
+// keep_key: the dispatch key's fallback stays registered (inert while no region includes the
+// key; registering it again costs a millisecond or two: the benchmarks' untracked anchor).
+int mn_uninstall(int keep_key) {
   std::lock_guard<std::mutex> g(mu);
   if (region != 0 || held) {
     return 1;
   }
   drop_weak_refs();
   forget_reported();
+#ifdef MN_MODE_KEY
+  if (keep_key == 0) {
+    unregister_key_fallback();
+  }
+#endif
   if (!installed) {
     return 0;
   }

@@ -43,7 +43,7 @@ _CPU = "cpu"
 #: Events the record keeps per region (about 40 bytes each); beyond them the region is lost.
 MAX_EVENTS = 10_000_000
 # Buffers the library writes into (one region at a time, under its lock).
-_COUNTS = (ctypes.c_int64 * 6)()
+_COUNTS = (ctypes.c_int64 * 7)()
 _OUT = (ctypes.c_int64 * 4)()
 _NO_ADDRESSES = (ctypes.c_size_t * 1)()
 _NO_BYTES = (ctypes.c_int64 * 1)()
@@ -199,13 +199,20 @@ class NativeRegion:
     def _settle(self, lib: Any, frees: _Frees) -> Tally:
         ledger = self.ledger
         counts = _COUNTS
-        lib.mn_counts(counts)
-        _, _, _, n_reads, overflow, n_alive = counts
+        lib.mn_counts(counts, len(counts))
+        _, _, _, n_reads, overflow, n_alive, transformed = counts
         if overflow:
             self.lost += 1
             self.notes.append(
                 f"the native record's log was full ({MAX_EVENTS:,} events): figures may be "
                 "short (set MEMLAB_NATIVE=0 to measure with the dispatch mode)"
+            )
+        if transformed:  # (the RecordFunction route, on a PyTorch without the dispatch key)
+            self.lost += 1
+            self.notes.append(
+                "torch.func transforms (vmap, grad) ran here: the native record does not "
+                "follow their ops on this PyTorch, so the figures may be short (set "
+                "MEMLAB_NATIVE=0 to measure with the dispatch mode)"
             )
         dead_reads: dict[int, int] = {}
         with ledger._lock:
