@@ -139,14 +139,14 @@ def force_eager() -> Any:
     private setter does (refuse inside a compiled region, swap the module's stance) without
     its per-call import: ``torch.compiler.set_stance`` costs several times more, and this runs
     at every native region. Checked 2.13."""
-    ef, callback = _FORCED.get("module"), _FORCED.get("callback")
-    if ef is None or callback is None:
-        import torch._dynamo.eval_frame as ef
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback as callback
+    if "module" not in _FORCED:
+        import torch._dynamo.eval_frame as module
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
-        _FORCED["module"], _FORCED["callback"] = ef, callback
-        _FORCED["stance"] = ef.DynamoStance("force_eager")
-    if callback() not in (False, None):
+        _FORCED["module"], _FORCED["callback"] = module, get_eval_frame_callback
+        _FORCED["stance"] = module.DynamoStance("force_eager")
+    ef: Any = _FORCED["module"]
+    if _FORCED["callback"]() not in (False, None):
         raise RuntimeError("attempted to set_stance in a torch.compile region")
     prior = ef._stance
     ef._stance = _FORCED["stance"]
