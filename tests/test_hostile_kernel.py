@@ -574,6 +574,17 @@ case("cell-out-name-starts-with-digit", lines("%%gpumem -o 1x", "z = 1"), usage(
 case("cell-out-name-keyword", lines("%%gpumem -o class", "z = 1"), usage("'class'"))
 case("cell-out-name-dotted", lines("%%gpumem -o a.b", "z = 1"), usage("'a.b'"))
 case("cell-out-without-name", lines("%%gpumem -d cpu -o", "z = 1"), usage("-o"))
+# a name the session needs: every later magic line calls get_ipython(); print, In, _ likewise
+case(
+    "cell-out-name-get-ipython",
+    lines("%%gpumem -d cpu -o get_ipython", "z = 1"),
+    usage("get_ipython", "-o report"),
+    after=(("'z' in dir()", "False"), ("type(get_ipython()).__name__", "'ZMQInteractiveShell'")),
+)
+case("cell-out-name-builtin", lines("%%gpumem -o print", "z = 1"), usage("builtin 'print'"))
+case("cell-out-name-output-history", lines("%%gpumem -o _3", "z = 1"), usage("'_3'"))
+case("history-out-name-Out", "%gpumem_history -o Out", usage("'Out'"))
+case("leaks-out-name-exit", "%gpumem_leaks -o exit", usage("'exit'"))
 case("cell-label-without-value", lines("%%gpumem -d cpu -l", "z = 1"), usage("-l"))
 case("cell-label-twice", lines("%%gpumem -l one two", "z = 1"), usage("label"))
 case("cell-quiet-and-timeline", lines("%%gpumem -q -t", "z = 1"), usage("-q", "timeline"))

@@ -70,6 +70,11 @@ def _soak_installed():
     probe = torch.ones(8)
     return {
         "CPU allocator wrapper": 0 if lib is None else lib.mn_follows(probe.data_ptr()),
+        # PyTorch's own dispatch table: a fallback of memlab's at any key (the native record's)
+        "dispatch-key fallbacks": sum(
+            "memlab" in line
+            for line in torch._C._dispatch_dump_table("aten::add.Tensor").splitlines()
+        ),
         "dispatch modes": int(torch._C._len_torch_dispatch_stack()),
         "saved-tensor hooks": 0 if top is None else int(top(False) is not None),
         "module forward pre-hooks": len(m._global_forward_pre_hooks),

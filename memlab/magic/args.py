@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import builtins
 import functools
 import keyword
 import re
@@ -136,11 +137,32 @@ def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
 @functools.lru_cache(maxsize=256)
 def variable_name(text: str, magic: str) -> str:
     """``text`` as the name Python will look up (identifiers are NFKC-normalised: a typed ``µ``
-    is ``μ``), or a UsageError naming the magic."""
+    is ``μ``), or a UsageError naming the magic. A name the session itself needs is refused:
+    IPython's own (``get_ipython``, which every magic line is rewritten to call; ``In``,
+    ``Out``, ``exit``, the output history ``_``, ``_3``, ``_i3``) and Python's builtins
+    (``-o print`` would break every later ``print``)."""
     name = unicodedata.normalize("NFKC", text)
     if not name.isidentifier() or keyword.iskeyword(name):
         raise UsageError(f"{magic}: -o needs a Python variable name, not {text!r}.")
+    what = _reserved(name)
+    if what:
+        raise UsageError(
+            f"{magic}: -o {text} would replace {what} in your session; pick another name "
+            "(for example -o report)."
+        )
     return name
+
+
+_IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})
+_HISTORY = re.compile(r"_+|_i+|_i?\d+")
+
+
+def _reserved(name: str) -> str | None:
+    if name in _IPYTHON_NAMES or _HISTORY.fullmatch(name):
+        return f"IPython's own {name!r}"
+    if name in vars(builtins):
+        return f"Python's builtin {name!r}"
+    return None
 
 
 @functools.lru_cache(maxsize=256)
