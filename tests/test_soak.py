@@ -70,9 +70,10 @@ def _soak_installed():
     probe = torch.ones(8)
     return {
         "CPU allocator wrapper": 0 if lib is None else lib.mn_follows(probe.data_ptr()),
-        # PyTorch's own dispatch table: a fallback of memlab's at any key (the native record's)
+        # PyTorch's own dispatch table: a fallback of memlab's at any key (the native record's;
+        # the inert fallthrough it leaves at its key, for threads that still have it, is not)
         "dispatch-key fallbacks": sum(
-            "memlab" in line
+            "memlab" in line and "fallthrough" not in line
             for line in torch._C._dispatch_dump_table("aten::add.Tensor").splitlines()
         ),
         "dispatch modes": int(torch._C._len_torch_dispatch_stack()),

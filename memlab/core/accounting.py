@@ -67,6 +67,8 @@ class Accountant(Roles):
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: id -> (weak reference, storage id) of each leaf the dispatch path remembered.
         self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        #: (storage id, role) -> weak reference to the storage, for each role told the ledger.
+        self._marked: dict[tuple[int, Category], weakref.ref[torch.UntypedStorage]] = {}
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._stack = contextlib.ExitStack()
         self._module_depth = 0
@@ -217,19 +219,31 @@ class Accountant(Roles):
 
     # -- roles ---------------------------------------------------------------------------------
     def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
-        # On the dispatch path (``storage`` given), once per leaf and storage in a region: the
-        # same parameters come back at every op that reads them.
-        if storage is not None:
-            seen = self._leaf_refs.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == id(storage):
-                return
-            self._leaf_refs[id(t)] = (weakref.ref(t), id(storage))
+        # Once per leaf and storage in a region: the same parameters come back at every op
+        # that reads them, at every module call and at each end of an optimizer step.
+        if storage is None:
+            storage = storage_of(t)
+        seen = self._leaf_refs.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == id(storage):
+            return
+        self._leaf_refs[id(t)] = (weakref.ref(t), id(storage))
         self._leaves[t] = True
         if isinstance(t, torch.nn.Parameter):
-            self.ledger.classify(t, Category.PARAMETER)
+            self.mark(t, Category.PARAMETER)
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
-        self.ledger.classify(t, category)
+        # Once per storage and role in a region (telling the ledger again changes nothing):
+        # the optimizer's hooks name every parameter, gradient and state before and after
+        # each step.
+        storage = storage_of(t)
+        if storage is None:
+            return
+        key = (id(storage), category)
+        told = self._marked.get(key)
+        if told is not None and told() is storage:
+            return
+        self.ledger.classify(t, category, storage)
+        self._marked[key] = weakref.ref(storage)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Returning ``t`` itself would tie a saved output to its own grad_fn in a cycle that

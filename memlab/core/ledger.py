@@ -211,8 +211,12 @@ class Ledger(Listeners):
                     except Exception as e:
                         self._failed(listener, e)
 
-    def classify(self, t: torch.Tensor, category: Category) -> None:
-        storage = storage_of(t)
+    def classify(
+        self, t: torch.Tensor, category: Category, storage: torch.UntypedStorage | None = None
+    ) -> None:
+        """``t``'s storage (``storage`` where the caller has it already) plays ``category``."""
+        if storage is None:
+            storage = storage_of(t)
         if storage is None:
             return
         entry = self.existing(t, storage)

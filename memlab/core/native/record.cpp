@@ -382,16 +382,30 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 // state), and this boxed fallback sees every op a Python dispatch mode would see, with no
 // record made for the ops a kernel calls inside itself (the key is excluded while the kernel
 // runs, as a Python mode is while its __torch_dispatch__ runs). An op costs one boxing.
+//
+// Code that saves a thread's whole set of included keys and puts it back later (InferenceMode,
+// the autograd engine's guard around each node, a generator suspended inside such a guard) can
+// put the key back on after its region closed. Such a stale key heals itself: an op that
+// reaches the fallback with no region of this route open takes the key off its thread; a
+// region opening on a thread that has it treats it as its own; and after the fallback is
+// taken out, an inert fallthrough stays at the key (a tombstone), so that a thread that still
+// has it runs its ops as if it had not.
 constexpr c10::DispatchKey kModeKey = c10::DispatchKey::Fake;
 c10::RegistrationHandleRAII* key_fallback = nullptr;
+c10::RegistrationHandleRAII* key_tombstone = nullptr;
+// The route the open region follows ops by (1: this fallback); see mn_begin.
+int route = 0;
 
 void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t n_in = op.schema().arguments().size();
   uint64_t mine = 0;
-  if (n_in <= stack->size()) {
+  {
     std::lock_guard<std::mutex> g(mu);
-    mine = region;
-    if (mine != 0) {
+    mine = route == 1 ? region : 0;
+    if (mine == 0) {  // a stale key (see above): off this thread from now on
+      c10::impl::tls_set_dispatch_key_included(kModeKey, false);
+      key_included = false;
+    } else if (n_in <= stack->size()) {
       for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n_in); it != stack->end(); ++it) {
         each_tensor(*it, read_storage);
       }
@@ -424,6 +438,8 @@ int register_key_fallback() {
   if (!d.getRegistrationsForDispatchKey(kModeKey).empty()) {
     return 1;  // PyTorch's own kernels at that key: ours would not see those ops
   }
+  delete key_tombstone;  // ours, from an earlier uninstall
+  key_tombstone = nullptr;
   try {
     key_fallback = new c10::RegistrationHandleRAII(d.registerFallback(
         kModeKey, c10::KernelFunction::makeFromBoxedFunction<&mode_fallback>(), "memlab"));
@@ -434,8 +450,17 @@ int register_key_fallback() {
 }
 
 void unregister_key_fallback() {
+  if (key_fallback == nullptr) {
+    return;
+  }
   delete key_fallback;  // its destructor takes the fallback out
   key_fallback = nullptr;
+  try {
+    key_tombstone = new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().registerFallback(
+        kModeKey, c10::KernelFunction::makeFallthrough(), "memlab (inert)"));
+  } catch (...) {
+    key_tombstone = nullptr;
+  }
 }
 #endif
 
@@ -496,9 +521,11 @@ int mn_version() {
   return 3;
 }
 
-// The route the last region was recorded by: 1 the dispatch key's fallback, 0 RecordFunction.
-int route = 0;
+#ifndef MN_MODE_KEY
+int route = 0;  // the route of the open region (or the last): always RecordFunction here
+#endif
 
+// The route the last region was recorded by: 1 the dispatch key's fallback, 0 RecordFunction.
 int mn_route() {
   return route;
 }
@@ -548,14 +575,17 @@ int mn_begin(int64_t max_events, int64_t ledger) {
     running.clear();  // records left open by an earlier region that closed inside an op
     route = 0;
 #ifdef MN_MODE_KEY
-    // (a key this thread includes already and not by us: someone else's; the other route)
-    if (!prefer_records &&
-        (key_included || !c10::impl::tls_is_dispatch_key_included(kModeKey)) &&
-        register_key_fallback() == 0) {
+    // (the key already on this thread: a stale one of ours, put back by code that restored
+    // the thread's keys; nothing else uses it)
+    if (!prefer_records && register_key_fallback() == 0) {
       c10::impl::tls_set_dispatch_key_included(kModeKey, true);
       key_included = true;
       route = 1;
       return 0;
+    }
+    if (c10::impl::tls_is_dispatch_key_included(kModeKey)) {  // stale: off for this route
+      c10::impl::tls_set_dispatch_key_included(kModeKey, false);
+      key_included = false;
     }
 #endif
     handle = at::addThreadLocalCallback(
@@ -577,7 +607,8 @@ void mn_end() {
     handle = 0;
   }
 #ifdef MN_MODE_KEY
-  if (key_included) {  // called on the region's thread, where it was included
+  // called on the region's thread, where it was included (or put back by a guard since)
+  if (key_included || c10::impl::tls_is_dispatch_key_included(kModeKey)) {
     c10::impl::tls_set_dispatch_key_included(kModeKey, false);
     key_included = false;
   }
