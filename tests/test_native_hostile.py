@@ -1072,32 +1072,31 @@ def dispatch_disabled() -> Callable[[], Any]:
 
 
 _FOREIGN = (
-    "memory that PyTorch's CPU allocator did not give (numpy's, a file mapping, a shared "
-    "segment) returned by an op in the region: the dispatch mode counts it as the region's new "
-    "memory; the native record never marks it (returned_storage finds no block in `live`), so "
-    "it is found later as a read of older memory (raising `before`) or not at all"
+    "memory PyTorch's CPU allocator did not give (numpy's, a file mapping, a shared segment) "
+    "returned by an op in the region: adopted as the op's new memory, its free placed at the "
+    "next op, as the dispatch mode counts it"
 )
 _STALE = (
-    "; and read_storage remembers a storage without memory (an empty tensor's) in `read_seen` "
-    "without holding it: once it dies, a storage object made at its address is skipped"
+    "; a storage without memory is held while the record remembers it, so no storage object "
+    "made at its address later is skipped"
 )
 _GROWN = (
-    "a tensor from before the region grown by an op (out= too small, resize_): the native "
-    "record counts the new block in full as the op's allocation, and where the ledger did not "
-    "follow the tensor it also registers it as older memory at its grown size (settling reads "
-    "storage.nbytes() at the end, not the size when read): `before` and the peak are too high"
+    "a tensor from before the region grown by an op (out= too small, resize_): registered at "
+    "its size when read, its old bytes leaving at the new block's place, as the dispatch "
+    "mode's ledger sees the growth"
 )
 
-BUGS: dict[str, tuple[Workload, str]] = {
+
+#: Found here as bugs and fixed: the record's figures equal the dispatch mode's.
+FIXED: dict[str, tuple[Workload, str]] = {
     "from-numpy": (from_numpy_in_region, _FOREIGN),
     "from-numpy-after-empty-reads": (from_numpy_after_empty_reads, _FOREIGN + _STALE),
     "torch-load-mmap": (mmap_load, _FOREIGN),
     "share-memory": (share_memory_in_region, _FOREIGN),
     "set-to-older-storage": (
         set_to_an_older_storage,
-        "set_ onto an older storage: the record reads no Storage argument (each_tensor skips "
-        "IValue storages) and the block predates the region, so it is never counted; the "
-        "dispatch mode counts it as produced",
+        "set_ onto an older storage the region never read: adopted as the op's new memory, as "
+        "the dispatch mode counts it",
     ),
     "out-too-small": (out_too_small(False), _GROWN),
     "out-too-small-followed": (out_too_small(True), _GROWN),
@@ -1106,41 +1105,40 @@ BUGS: dict[str, tuple[Workload, str]] = {
     "thread-made-tensor-read": (
         thread_made_tensor_read,
         "a tensor made by another thread during the region and read by the region's thread: "
-        "its block is the region's in `live` but no op the record saw returned it, so "
-        "read_storage skips it as 'memory of this region' and it is never counted; the "
-        "dispatch mode registers it as existing (before, after and peak)",
-    ),
-    "int8-weight-subclass": (
-        int8_weight_subclass,
-        "a wrapper subclass's __torch_dispatch__ (at the Python key, above the record's key) "
-        "runs ops on plain tensors, which reach the fallback: the record counts its temporaries "
-        "(a dequantized weight, 2 x 256 KiB here) and all its inner tensors, where the "
-        "dispatch mode sees only the outer op and its first flattened tensor",
-    ),
-    "fake-tensor-mode-inside": (
-        fake_tensor_mode_inside,
-        "a FakeTensorMode entered inside a native region: the dispatch mode counts fake CPU "
-        "tensors as CPU memory (as it does when the mode is on at the start, which is why "
-        "eligible() refuses the native record then), the native record counts none",
-    ),
-    "dispatch-disabled": (
-        dispatch_disabled,
-        "torch._C._DisableTorchDispatch hides ops from dispatch modes but not from the key: "
-        "the native record counts what the dispatch mode does not see (low priority: a "
-        "private API, used inside PyTorch's own subclass and fake-tensor code)",
+        "registered as existing, as the dispatch mode registers it",
     ),
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BUGS[n][1])) for n in BUGS],
-)
-def test_native_figures_equal_the_dispatch_modes_where_they_do_not(
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_native_figures_equal_the_dispatch_modes_on_hostile_inputs(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fast, slow = both(BUGS[name][0], monkeypatch)
-    assert fast == slow, f"{name}: native {fast} vs dispatch mode {slow}"
+    fast, slow = both(FIXED[name][0], monkeypatch)
+    assert fast == slow, f"{name}: native {fast} vs dispatch mode {slow} ({FIXED[name][1]})"
+
+
+#: Where the record counts memory the dispatch mode cannot see (documented differences): a
+#: wrapper subclass's own ops on its inner tensors (a dequantized weight), ops run with dispatch
+#: modes disabled (torch._C._DisableTorchDispatch) -- real memory the record sees, so its peak
+#: is higher -- and a FakeTensorMode entered inside the region, whose fake CPU tensors hold no
+#: memory: the dispatch mode counts them, the record does not.
+COUNTS_MORE = {"int8-weight-subclass": int8_weight_subclass, "dispatch-disabled": dispatch_disabled}
+
+
+@pytest.mark.parametrize("name", sorted(COUNTS_MORE))
+def test_the_record_counts_real_memory_a_dispatch_mode_cannot_see(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, slow = both(COUNTS_MORE[name], monkeypatch)
+    assert fast[2] > slow[2], f"{name}: native {fast} vs dispatch mode {slow}"
+
+
+def test_fake_tensors_made_inside_a_region_hold_no_memory_natively(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fast, slow = both(fake_tensor_mode_inside, monkeypatch)
+    assert fast[0] < slow[0] and fast[2] < slow[2], (fast, slow)  # no fake bytes counted
 
 
 def hessian() -> Callable[[], Any]:
@@ -1225,9 +1223,12 @@ def test_a_dataloader_with_workers_iterated_inside_a_region(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-@pytest.mark.xfail(strict=True, reason=_FOREIGN + " (here: the workers' batches, set_ onto "
-                   "shared memory as they are rebuilt; the record says 'before' > 0 and notes "
-                   "frees of 'tensors made before memlab's native record started')")  # fmt: skip
+@pytest.mark.xfail(
+    strict=True,
+    reason="the workers' batches (set_ onto shared memory as they are rebuilt) are adopted and "
+    "their frees placed at the next op: before and after agree, but the record's peak is one "
+    "batch above the dispatch mode's (128,000 against 96,000 B here); not yet traced",
+)
 def test_a_dataloader_with_workers_figures_equal_the_dispatch_modes(
     dataloader_run: dict[str, Any],
 ) -> None:

@@ -114,8 +114,11 @@ class Ledger(Listeners):
         totals[device] += nbytes
         return entry
 
-    def existing(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Entry:
-        """``t``'s storage, alive before now; registered as pre-existing if new to us."""
+    def existing(
+        self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int | None = None
+    ) -> Entry:
+        """``t``'s storage, alive before now; registered as pre-existing if new to us, at
+        ``nbytes`` where given (its size when it was read), else at its size now."""
         if self._dead:  # first: a dead storage's id may be the new one's
             self.settle()
         key = id(storage)
@@ -126,7 +129,8 @@ class Ledger(Listeners):
             entry = self._entries.get(key)
             if entry is None:
                 # The tensor's device, not the storage's: a fake tensor's storage is on "meta".
-                entry = self._add(storage, storage.nbytes(), device_key(t.device))
+                size = storage.nbytes() if nbytes is None else nbytes
+                entry = self._add(storage, size, device_key(t.device))
                 self._tell(entry.device, "on_discovered", entry.serial, entry.nbytes)
             return entry
 

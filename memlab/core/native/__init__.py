@@ -222,7 +222,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_end.restype = None
     lib.mn_counts.argtypes = [i64p, i64]
     lib.mn_counts.restype = None
-    lib.mn_sweep.argtypes = [up, i64, i64p, i64p]
+    lib.mn_sweep.argtypes = [up, i64, i64p, i64p, i64]
     lib.mn_sweep.restype = None
     lib.mn_survivors.argtypes = [ipp, i64p, i64]
     lib.mn_survivors.restype = i64
@@ -240,7 +240,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_route.restype = ctypes.c_int
     lib.mn_prefer_records.argtypes = [ctypes.c_int]
     lib.mn_prefer_records.restype = None
-    if lib.mn_version() != 3:
+    if lib.mn_version() != 4:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
 

@@ -34,6 +34,7 @@
 #include <pthread.h>
 
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -54,6 +55,12 @@ struct Alloc {
   int64_t seq;       // order of the allocation among the region's events
   int64_t free_seq;  // order of its free, -1 while alive
   c10::StorageImpl* storage;  // weakly held once an op returned it, else null
+  // Not a block of this region's: a storage an op returned that the record had not met
+  // (memory from numpy, a file mapping or shared memory; an older block handed to set_). Its
+  // bytes count from `seq`; its free is placed by address where it was an older block of the
+  // wrapper's, else not at all.
+  bool adopted;
+  bool older_block;  // adopted, and an older block of the wrapper's (its free is in the log)
 };
 
 struct Freed {
@@ -66,6 +73,7 @@ struct Read {
   c10::StorageImpl* storage;  // weakly held
   uintptr_t ptr;
   int64_t size;
+  bool taken;  // returned later by an op in its block of this region: the region's, not read
 };
 
 // Made once and never destroyed: PyTorch frees tensors during the process's exit, after this
@@ -84,7 +92,42 @@ std::vector<Read>& reads = *new std::vector<Read>();
 std::vector<std::pair<int64_t, int64_t>>& resizes = *new std::vector<std::pair<int64_t, int64_t>>();
 // Storages already looked at as an op's input in this region, or returned by one: a later read
 // of them costs one look-up. (Each is alive, or weakly held, for the region: no address reuse.)
+// Each one is weakly held while in here (so that its address is not reused in the region).
 std::unordered_set<c10::StorageImpl*>& read_seen = *new std::unordered_set<c10::StorageImpl*>();
+// Index in `reads` of each storage read as older memory.
+std::unordered_map<c10::StorageImpl*, size_t>& read_index =
+    *new std::unordered_map<c10::StorageImpl*, size_t>();
+// Storages the ledger was handed before, read in this region: their block when read.
+std::unordered_map<c10::StorageImpl*, std::pair<uintptr_t, int64_t>>& reported_reads =
+    *new std::unordered_map<c10::StorageImpl*, std::pair<uintptr_t, int64_t>>();
+// Older storages an op moved into a block of this region (grown by out= or resize_): their old
+// size, netted against the new block
+// (As the dispatch mode's ledger sees it: the storage changes size when the op returns, so the
+// old bytes leave at the new block's place in the order; the copy's moment with both alive is
+// the kernel's, as its scratch memory is.)
+struct Move {
+  int64_t seq;   // the new block's allocation
+  int64_t size;  // the old size
+};
+std::vector<Move>& moves = *new std::vector<Move>();
+// Adopted storages not of the wrapper's memory, alive when last looked at (indexes in
+// `allocs`): their free cannot be seen, so each op looks whether they died since (a
+// DataLoader's batches in shared memory come and go; few are alive at once).
+std::vector<size_t>& adopted_alive = *new std::vector<size_t>();
+
+// The adopted storages that died since the last look: freed here in the order. Under `mu`.
+void look_at_adopted() {
+  size_t kept = 0;
+  for (size_t i : adopted_alive) {
+    Alloc& a = allocs[i];
+    if (c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
+      a.free_seq = seq++;
+    } else {
+      adopted_alive[kept++] = i;
+    }
+  }
+  adopted_alive.resize(kept);
+}
 // Storages already handed to the ledger (weakly held, so an address is never reused while in
 // here): a later region's reads skip them. Pruned of the dead as it grows.
 std::unordered_set<c10::StorageImpl*>& reported = *new std::unordered_set<c10::StorageImpl*>();
@@ -143,7 +186,7 @@ struct Wrapper final : c10::Allocator {
         if (allocs.size() < static_cast<size_t>(limit)) {
           b.region = region;
           b.index = static_cast<int64_t>(allocs.size());
-          allocs.push_back({key, static_cast<int64_t>(n), seq++, -1, nullptr});
+          allocs.push_back({key, static_cast<int64_t>(n), seq++, -1, nullptr, false, false});
         } else {
           overflow = true;
         }
@@ -189,6 +232,9 @@ void each_storage(const at::Tensor& t, F&& f) {
     return;
   }
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->is_wrapped_number()) {
+    return;  // a Python number made a tensor for the op: a dispatch mode sees the number
+  }
   const auto layout = impl->layout();
   if (layout == c10::kStrided) {
     if (impl->has_storage()) {  // read without taking a reference: the tensor holds one
@@ -276,6 +322,12 @@ int parent_frame() {  // an int: plain char is unsigned on some machines
   return -1;  // none: called from Python
 }
 
+void seen(c10::StorageImpl* s) {  // under `mu`
+  if (read_seen.insert(s).second) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+  }
+}
+
 // A storage an op read: remembered (weakly) where it predates the region, once. Under `mu`.
 void read_storage(c10::StorageImpl* s) {
   if (!is_cpu(s)) {
@@ -285,35 +337,75 @@ void read_storage(c10::StorageImpl* s) {
     return;
   }
   const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
-  read_seen.insert(s);
-  if (key == 0 || reported.count(s) != 0) {
+  seen(s);
+  if (key == 0) {
+    return;
+  }
+  const auto nbytes = static_cast<int64_t>(s->nbytes());
+  if (reported.count(s) != 0) {  // the ledger has it: only its block, should an op move it
+    reported_reads.emplace(s, std::make_pair(key, nbytes));
     return;
   }
   auto it = live.find(key);
-  if (it != live.end() && it->second.region == region) {
-    return;  // memory of this region: an allocation, not something read
+  if (it != live.end() && it->second.region == region && it->second.index >= 0 &&
+      allocs[it->second.index].storage == s) {
+    return;  // memory an op returned in this region: the region's, not something read
   }
+  // older memory; or a block of this region no op the record saw returned (made by another
+  // thread, or the data `torch.tensor` is about to lift): read, unless an op returns it later
   c10::raw::weak_intrusive_ptr::incref(s);
-  reads.push_back({s, key, static_cast<int64_t>(s->nbytes())});
+  read_index[s] = reads.size();
+  reads.push_back({s, key, nbytes, false});
 }
 
 // A storage an op returned: the allocation behind it, if new in the region, is the
-// accounting's. Under `mu`.
+// accounting's; one the record had not met is adopted. Under `mu`.
 void returned_storage(c10::StorageImpl* s) {
   if (!is_cpu(s)) {
     return;
   }
-  auto it = live.find(reinterpret_cast<uintptr_t>(s->data_ptr().get()));
-  if (it == live.end() || it->second.region != region) {
-    return;
-  }
-  Alloc& a = allocs[it->second.index];
-  if (a.storage == nullptr) {
+  const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
+  auto it = live.find(key);
+  if (it != live.end() && it->second.region == region && it->second.index >= 0) {
+    Alloc& a = allocs[it->second.index];
+    if (a.storage != nullptr) {
+      return;
+    }
     c10::raw::weak_intrusive_ptr::incref(s);
     a.storage = s;
     ++marked;
-    read_seen.insert(s);  // when read later: this region's, nothing to look up
+    auto r = read_index.find(s);
+    if (r != read_index.end()) {
+      Read& read = reads[r->second];
+      if (read.ptr == key) {
+        read.taken = true;  // its own block, read before an op returned it: the region's
+      } else {
+        moves.push_back({a.seq, read.size});  // an older storage, grown into this block
+      }
+    } else {
+      auto rr = reported_reads.find(s);
+      if (rr != reported_reads.end() && rr->second.first != key) {
+        moves.push_back({a.seq, rr->second.second});
+      }
+    }
+    seen(s);  // when read later: this region's, nothing to look up
+    return;
   }
+  if (key == 0 || read_seen.count(s) != 0 || reported.count(s) != 0) {
+    return;  // no memory, read before (older memory), or the ledger's already
+  }
+  if (allocs.size() >= static_cast<size_t>(limit)) {
+    overflow = true;
+    return;
+  }
+  c10::raw::weak_intrusive_ptr::incref(s);
+  const bool older_block = live.count(key) != 0;
+  if (!older_block) {  // not the wrapper's: its free is looked for at each op
+    adopted_alive.push_back(allocs.size());
+  }
+  allocs.push_back({key, static_cast<int64_t>(s->nbytes()), seq++, -1, s, true, older_block});
+  ++marked;
+  seen(s);
 }
 
 // The RecordFunction route: an op read these storages.
@@ -341,6 +433,12 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     // inside a torch.func transform: its layers run the ops on plain tensors inside kernels of
     // their own, where this route does not follow them (the dispatch-key route does)
     transformed = true;
+  }
+  if (!adopted_alive.empty()) {
+    look_at_adopted();
+  }
+  if (std::strcmp(fn.name(), "aten::lift_fresh") == 0) {
+    return nullptr;  // its input is the region's new data, not read (see mode_fallback)
   }
   bool subclass = false;
   for (const c10::IValue& v : fn.inputs()) {
@@ -396,8 +494,13 @@ c10::RegistrationHandleRAII* key_tombstone = nullptr;
 // The route the open region follows ops by (1: this fallback); see mn_begin.
 int route = 0;
 
+// lift_fresh's schema: the op `torch.tensor(...)` and `torch.as_tensor(...)` hand their new
+// data to. Its input is not read (as a dispatch mode's accounting does not): the data is the
+// region's new memory, counted as the op's output.
+const c10::FunctionSchema* lift_fresh = nullptr;
+
 void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const size_t n_in = op.schema().arguments().size();
+  const size_t n_in = &op.schema() == lift_fresh ? 0 : op.schema().arguments().size();
   uint64_t mine = 0;
   {
     std::lock_guard<std::mutex> g(mu);
@@ -405,7 +508,10 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
     if (mine == 0) {  // a stale key (see above): off this thread from now on
       c10::impl::tls_set_dispatch_key_included(kModeKey, false);
       key_included = false;
-    } else if (n_in <= stack->size()) {
+    } else if (!adopted_alive.empty()) {
+      look_at_adopted();
+    }
+    if (mine != 0 && n_in <= stack->size()) {
       for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n_in); it != stack->end(); ++it) {
         each_tensor(*it, read_storage);
       }
@@ -440,6 +546,12 @@ int register_key_fallback() {
   }
   delete key_tombstone;  // ours, from an earlier uninstall
   key_tombstone = nullptr;
+  if (lift_fresh == nullptr) {
+    auto handle = d.findSchema({"aten::lift_fresh", ""});
+    if (handle.has_value()) {
+      lift_fresh = &handle->schema();
+    }
+  }
   try {
     key_fallback = new c10::RegistrationHandleRAII(d.registerFallback(
         kModeKey, c10::KernelFunction::makeFromBoxedFunction<&mode_fallback>(), "memlab"));
@@ -494,6 +606,25 @@ void prune_reported() {
   prune_at = 2 * reported.size() + 4096;
 }
 
+// An allocation whose block was freed while its storage lives on, in memory that is not a
+// block of this region followed by it: the storage's memory moved out of the wrapper's
+// (share_memory_ puts it in a shared segment). It keeps its bytes, as the ledger sees it.
+// Under `mu`.
+bool moved_out(const Alloc& a) {
+  if (a.free_seq < 0 || a.storage == nullptr ||
+      c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
+    return false;
+  }
+  const auto now = reinterpret_cast<uintptr_t>(a.storage->data_ptr().get());
+  if (now == 0) {
+    return false;
+  }
+  auto it = live.find(now);
+  // (`regions`: the open region's number, or the last one's once it closed)
+  return it == live.end() || it->second.region != regions || it->second.index < 0 ||
+         allocs[it->second.index].storage != a.storage;
+}
+
 void drop_weak_refs() {
   for (Alloc& a : allocs) {
     if (a.storage != nullptr) {
@@ -504,10 +635,17 @@ void drop_weak_refs() {
   for (Read& r : reads) {
     c10::raw::weak_intrusive_ptr::decref(r.storage);
   }
+  for (c10::StorageImpl* s : read_seen) {
+    c10::raw::weak_intrusive_ptr::decref(s);
+  }
   allocs.clear();
   earlier_frees.clear();
   reads.clear();
   read_seen.clear();
+  read_index.clear();
+  reported_reads.clear();
+  moves.clear();
+  adopted_alive.clear();
   resizes.clear();
   marked = 0;
   seq = 0;
@@ -518,7 +656,7 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 3;
+  return 4;
 }
 
 #ifndef MN_MODE_KEY
@@ -614,6 +752,9 @@ void mn_end() {
   }
 #endif
   std::lock_guard<std::mutex> g(mu);
+  if (!adopted_alive.empty()) {
+    look_at_adopted();
+  }
   region = 0;
 }
 
@@ -624,7 +765,7 @@ void mn_counts(int64_t* out, int64_t n) {  // writes the first n (at most 7)
   std::lock_guard<std::mutex> g(mu);
   int64_t alive = 0;
   for (const Alloc& a : allocs) {
-    alive += (a.storage != nullptr && a.free_seq < 0) ? 1 : 0;
+    alive += (a.storage != nullptr && (a.free_seq < 0 || moved_out(a))) ? 1 : 0;
   }
   const int64_t all[7] = {static_cast<int64_t>(allocs.size()),
                           marked,
@@ -639,29 +780,39 @@ void mn_counts(int64_t* out, int64_t n) {  // writes the first n (at most 7)
 }
 
 // The region's figures over the accounting's allocations, plus the frees of earlier blocks at
-// `known` (addresses of storages the ledger followed that died in the region; n of them).
-// out: [highest running total above the start, total at the end, known frees found in the log,
-// bytes of known frees not found (counted at the end)].
-void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int64_t* out) {
+// `known` (addresses of storages the ledger followed that died in the region; n of them), of
+// the old blocks of older storages an op moved, and of adopted ones (see Alloc).
+// out (n_out of): [highest running total above the start, total at the end, known frees found
+// in the log, bytes of known or moved frees not found (counted at the end), bytes of adopted
+// storages freed where the record could not place it (counted to the end)].
+void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int64_t* out,
+              int64_t n_out) {
   std::lock_guard<std::mutex> g(mu);
   std::unordered_map<uintptr_t, int64_t> wanted;
-  wanted.reserve(static_cast<size_t>(n));
+  wanted.reserve(static_cast<size_t>(n) + moves.size());
   for (int64_t i = 0; i < n; ++i) {
     wanted[known[i]] = known_sizes[i];
   }
+  std::unordered_map<uintptr_t, int64_t> adopted;  // address -> bytes
   // Deltas by sequence number: each event has its own; a resize's goes before the event that
   // followed it.
   std::vector<int64_t> delta(static_cast<size_t>(seq) + 1, 0);
   for (const auto& r : resizes) {
     delta[r.first] += r.second;
   }
+  for (const Move& m : moves) {
+    delta[m.seq] -= m.size;
+  }
   for (const Alloc& a : allocs) {
     if (a.storage == nullptr) {
       continue;
     }
     delta[a.seq] += a.size;
-    if (a.free_seq >= 0) {
+    if (a.free_seq >= 0 && !moved_out(a)) {
       delta[a.free_seq] -= a.size;
+    }
+    if (a.older_block) {
+      adopted.emplace(a.ptr, a.size);
     }
   }
   int64_t found = 0;
@@ -671,6 +822,12 @@ void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int
       delta[f.seq] -= it->second;
       wanted.erase(it);
       ++found;
+      continue;
+    }
+    auto ad = adopted.find(f.ptr);
+    if (ad != adopted.end()) {  // an older block of the wrapper's an op handed back: freed here
+      delta[f.seq] -= ad->second;
+      adopted.erase(ad);
     }
   }
   int64_t running = 0, high = 0;
@@ -684,10 +841,17 @@ void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int
   for (const auto& kv : wanted) {
     missing += kv.second;
   }
-  out[0] = high;
-  out[1] = running - missing;
-  out[2] = found;
-  out[3] = missing;
+  int64_t unplaced = 0;
+  for (const Alloc& a : allocs) {
+    if (a.adopted && !a.older_block && a.free_seq < 0 &&
+        c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
+      unplaced += a.size;  // dead, its free never seen (not the wrapper's memory)
+    }
+  }
+  const int64_t all[5] = {high, running - missing, found, missing, unplaced};
+  for (int64_t i = 0; i < n_out && i < 5; ++i) {
+    out[i] = all[i];
+  }
 }
 
 // The accounting's allocations still alive: a new weak reference to each storage (for
@@ -700,7 +864,7 @@ int64_t mn_survivors(intptr_t* storages, int64_t* sizes, int64_t cap) {
     if (k >= cap) {
       break;
     }
-    if (a.storage != nullptr && a.free_seq < 0) {
+    if (a.storage != nullptr && (a.free_seq < 0 || moved_out(a))) {
       c10::raw::weak_intrusive_ptr::incref(a.storage);
       report(a.storage);
       storages[k] = reinterpret_cast<intptr_t>(a.storage);
@@ -719,6 +883,9 @@ int64_t mn_reads(intptr_t* storages, uintptr_t* ptrs, int64_t* sizes, int64_t ca
   for (const Read& r : reads) {
     if (k >= cap) {
       break;
+    }
+    if (r.taken) {
+      continue;
     }
     c10::raw::weak_intrusive_ptr::incref(r.storage);
     report(r.storage);

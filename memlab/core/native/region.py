@@ -44,7 +44,7 @@ _CPU = "cpu"
 MAX_EVENTS = 10_000_000
 # Buffers the library writes into (one region at a time, under its lock).
 _COUNTS = (ctypes.c_int64 * 7)()
-_OUT = (ctypes.c_int64 * 4)()
+_OUT = (ctypes.c_int64 * 5)()
 _NO_ADDRESSES = (ctypes.c_size_t * 1)()
 _NO_BYTES = (ctypes.c_int64 * 1)()
 
@@ -227,8 +227,10 @@ class NativeRegion:
                     if storage is None:  # read, then freed in the region
                         if ptrs[i] not in frees.freed:
                             dead_reads[ptrs[i]] = sizes[i]
-                    else:  # registered if new to the ledger (heard by `frees`)
-                        ledger.existing(_ON_CPU, storage)
+                    else:  # registered if new to the ledger (heard by `frees`), at its size
+                        # when read (an op may have grown it since: the ledger hears that as
+                        # the op's, when the storage is registered as a survivor below)
+                        ledger.existing(_ON_CPU, storage, sizes[i])
             if n_alive:
                 weak = (ctypes.c_ssize_t * n_alive)()
                 sizes = (ctypes.c_int64 * n_alive)()
@@ -246,8 +248,8 @@ class NativeRegion:
             else:
                 addresses, nbytes = _NO_ADDRESSES, _NO_BYTES
             out = _OUT
-            lib.mn_sweep(addresses, n, nbytes, out)
-            high, _, _, missing = out
+            lib.mn_sweep(addresses, n, nbytes, out, len(out))
+            high, _, _, missing, unplaced = out
             missing += frees.unplaced
             after = ledger.total(_CPU)
         before = self.before + frees.discovered + sum(dead_reads.values())
@@ -256,6 +258,12 @@ class NativeRegion:
                 f"{missing:,} B freed here belonged to tensors made before memlab's native "
                 "record started; those frees are counted at the region's end, so the peak may "
                 "be higher than it was"
+            )
+        if unplaced:
+            self.notes.append(
+                f"{unplaced:,} B of memory from outside PyTorch's allocator (numpy arrays, "
+                "file mappings, shared memory) came and went inside the region; its free is "
+                "counted at the region's end, so the peak may be higher than it was"
             )
         return Tally(before, after, before + high, None, None, None, None, None, None)
 
