@@ -17,7 +17,7 @@ from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native.eligible import eligible
-from memlab.core.native.region import NativeNotStartedError, NativeRegion
+from memlab.core.native.region import NativeNotStartedError, NativeRegion, hand_over_open
 from memlab.core.recorder import Phase, Recorder
 from memlab.core.warmup import warm_up
 from memlab.region.args import called, check_flag, check_label, watched, weak_refs
@@ -115,6 +115,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             for target in self.targets:
                 if target.index is not None:
                     self._cuda[target.name] = CudaRegion(target.index, self.reset_peak)
+            if self._recorders and self._native is None:
+                hand_over_open()  # a native region open around this one: the ledger first
             for rec in self._recorders.values():
                 if rec is not self._native:  # started already
                     rec.start()

@@ -94,6 +94,19 @@ class _Frees:
         pass
 
 
+#: The native region open now, if any (the library records one at a time, process-wide).
+_OPEN: list[NativeRegion] = []
+
+
+def hand_over_open() -> None:
+    """A region measured by the dispatch mode is opening while a native one is open (nested in
+    it, or on another thread): the native region hands what it found so far (the storages its
+    ops returned that are alive, the older ones they read) to the ledger now, so that the new
+    region starts from a ledger that holds them, as under the dispatch mode it would."""
+    if _OPEN:
+        _OPEN[0].hand_over()
+
+
 class NativeRegion:
     """One CPU region measured by the native record. ``open`` returns None where it cannot
     start (another native region is open, or the allocator was replaced by other code): the
@@ -113,6 +126,9 @@ class NativeRegion:
         self.lost = 0
         self._stance: Any = None
         self._resizing: Any = None
+        #: Address -> bytes of the older storages handed to the ledger before the end (see
+        #: `hand_over`): counted in `before` then, so not again if they die in the region.
+        self._handed: dict[int, int] = {}
 
     @classmethod
     def open(cls, ledger: Ledger) -> NativeRegion | None:
@@ -146,6 +162,7 @@ class NativeRegion:
             raise
         self._resizing = resizing
         self._open = True
+        _OPEN[:] = [self]
         follow_addresses()
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
@@ -185,10 +202,42 @@ class NativeRegion:
         self._done(frees)
 
     def _done(self, frees: _Frees) -> None:
+        if _OPEN and _OPEN[0] is self:
+            _OPEN.clear()
         try:
             self.ledger.detach(frees)
         finally:
             self._lib.mn_release()  # the next region may start
+
+    def hand_over(self) -> None:
+        """Registers in the ledger, now, the storages the region's ops returned that are alive
+        and the older ones they read (see `hand_over_open`); the region's own figures are the
+        same (it registers them again at its end, which is then a no-op)."""
+        if not self._open:
+            return
+        lib, ledger = self._lib, self.ledger
+        counts = (ctypes.c_int64 * 7)()
+        lib.mn_counts(counts, len(counts))
+        n_reads, n_alive = counts[3], counts[5]
+        with ledger._lock:
+            ledger.settle()
+            if n_reads:
+                weak = (ctypes.c_ssize_t * n_reads)()
+                ptrs = (ctypes.c_size_t * n_reads)()
+                sizes = (ctypes.c_int64 * n_reads)()
+                for i in range(lib.mn_reads(weak, ptrs, sizes, n_reads)):
+                    storage = storage_from_weak(weak[i])
+                    if storage is not None and not ledger.knows(storage):
+                        ledger.existing(_ON_CPU, storage, sizes[i])
+                        self._handed[ptrs[i]] = sizes[i]
+            if n_alive:
+                weak = (ctypes.c_ssize_t * n_alive)()
+                sizes = (ctypes.c_int64 * n_alive)()
+                when = time.perf_counter()
+                for i in range(lib.mn_survivors(weak, sizes, n_alive)):
+                    storage = storage_from_weak(weak[i])
+                    if storage is not None:
+                        ledger.produced(_ON_CPU, storage, when)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         if self._tally is None:
@@ -225,7 +274,9 @@ class NativeRegion:
                 for i in range(k):
                     storage = storage_from_weak(weak[i])
                     if storage is None:  # read, then freed in the region
-                        if ptrs[i] not in frees.freed:
+                        if ptrs[i] in self._handed:  # counted in `before` when handed over
+                            frees.freed.setdefault(ptrs[i], sizes[i])
+                        elif ptrs[i] not in frees.freed:
                             dead_reads[ptrs[i]] = sizes[i]
                     else:  # registered if new to the ledger (heard by `frees`), at its size
                         # when read (an op may have grown it since: the ledger hears that as
