@@ -1084,6 +1084,55 @@ _GROWN = (
 )
 
 
+def grown_then_freed() -> Callable[[], Any]:
+    """An older out= tensor grown by an op, then a larger peak, then both freed: its old bytes
+    leave once (at the growth), not again at its free."""
+    a, box = torch.randn(100, 100), {"out": torch.empty(10, 10)}
+
+    def body() -> None:
+        torch.mul(a, a, out=box["out"])
+        y = torch.randn(300, 300)
+        del box["out"], y
+
+    return body
+
+
+def resized_twice() -> Callable[[], Any]:
+    """An older tensor grown twice in the region: each growth's old bytes leave once."""
+    t = torch.empty(1000)
+
+    def body() -> torch.Tensor:
+        t.resize_(2000)
+        return t.resize_(4000)
+
+    return body
+
+
+def grown_in_region() -> Callable[[], Any]:
+    """A tensor made in the region and grown: the old block's bytes leave as the new come."""
+
+    def body() -> list[torch.Tensor]:
+        v = torch.ones(1000)
+        v.resize_(2000)
+        return [v, torch.ones(10)]
+
+    return body
+
+
+def found_then_freed() -> Callable[[], Any]:
+    """An older tensor the ledger never followed, read in the region, resized to nothing
+    through its storage and freed: counted once in `before`, leaving at its free."""
+    box = {"w": torch.ones(1000)}
+
+    def body() -> torch.Tensor:
+        y = box["w"] * 2
+        box["w"].untyped_storage().resize_(0)
+        del box["w"]
+        return y
+
+    return body
+
+
 #: Found here as bugs and fixed: the record's figures equal the dispatch mode's.
 FIXED: dict[str, tuple[Workload, str]] = {
     "from-numpy": (from_numpy_in_region, _FOREIGN),
@@ -1103,6 +1152,14 @@ FIXED: dict[str, tuple[Workload, str]] = {
         thread_made_tensor_read,
         "a tensor made by another thread during the region and read by the region's thread: "
         "registered as existing, as the dispatch mode registers it",
+    ),
+    # from the review of the fixes
+    "grown-then-freed": (grown_then_freed, _GROWN),
+    "resized-twice": (resized_twice, _GROWN),
+    "grown-in-region": (grown_in_region, _GROWN),
+    "found-then-freed": (
+        found_then_freed,
+        "a storage found during the region and freed in it: counted once in `before`",
     ),
 }
 
@@ -1351,3 +1408,25 @@ def test_an_outer_native_region_keeps_its_figures_when_an_inner_one_takes_its_re
         del a, b, c
     assert outer_figures[1] == outer_figures[0], outer_figures
     assert outer_figures[0][0] == 8000, outer_figures
+
+
+def test_a_functional_tensor_on_the_recordfunction_route_neither_hangs_nor_lingers() -> None:
+    """torch.func.functionalize on the RecordFunction route: the record sees the functional
+    wrapper's storage (no memory of its own, holding its base tensor). It must not hold it
+    (the base would outlive the program's last reference), and giving up what it holds must
+    not free memory under the record's lock (a hang). Child process, with a timeout."""
+    code = (
+        "import json, weakref, torch, memlab\n"
+        "from memlab.core import native\n"
+        "native.library().mn_prefer_records(1)\n"
+        "x = torch.randn(1000)\n"
+        "for _ in range(3):\n"
+        "    with memlab.track('cpu') as t:\n"
+        "        s = torch.func.functionalize(lambda v: (v * 2).sum())(x)\n"
+        "print(json.dumps({'route': native.route(), 'value': float(s) == float((x * 2).sum()),"
+        " 'lost': t.lost}))\n"
+    )
+    out = _child(code, timeout=60)
+    # (lost: this route says it cannot follow a torch.func transform's ops; see
+    # test_native_record.py's test_a_transform_the_record_cannot_follow_is_said)
+    assert out == {"route": "RecordFunction", "value": True, "lost": 1}, out

@@ -65,8 +65,8 @@ class Accountant(Roles):
         self._failures = ledger.failures
         self._missed: int | None = None
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        #: id -> (weak reference, storage id) of each leaf the dispatch path remembered.
-        self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        #: id -> weak references to each leaf remembered and to its storage then.
+        self._leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
         #: (storage id, role) -> weak reference to the storage, for each role told the ledger.
         self._marked: dict[tuple[int, Category], weakref.ref[torch.UntypedStorage]] = {}
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -85,6 +85,9 @@ class Accountant(Roles):
     # -- install / uninstall ------------------------------------------------------------------
     def install(self) -> None:
         """Enter the mode and hooks; on any failure, undo what was done and re-raise."""
+        # roles told before the region's recorders listened (`watch`, `inputs`) are told again
+        self._marked.clear()
+        self._leaf_refs.clear()
         warm_up()  # before the region's clock starts (track() starts it after install)
         try:
             if self.breakdown:
@@ -224,9 +227,9 @@ class Accountant(Roles):
         if storage is None:
             storage = storage_of(t)
         seen = self._leaf_refs.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == id(storage):
+        if seen is not None and seen[0]() is t and seen[1]() is storage:
             return
-        self._leaf_refs[id(t)] = (weakref.ref(t), id(storage))
+        self._leaf_refs[id(t)] = (weakref.ref(t), _ref_or_none(storage))
         self._leaves[t] = True
         if isinstance(t, torch.nn.Parameter):
             self.mark(t, Category.PARAMETER)
@@ -301,6 +304,16 @@ class Accountant(Roles):
 
 
 _OPT = "an optimizer's roles not read"
+
+
+def _none() -> None:
+    return None
+
+
+def _ref_or_none(storage: Any) -> Any:
+    """A weak reference to ``storage``, or a callable answering None for a tensor without
+    one (a sparse leaf): compared with ``is`` against the storage found next time."""
+    return _none if storage is None else weakref.ref(storage)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

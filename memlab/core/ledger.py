@@ -154,6 +154,7 @@ class Ledger(Listeners):
                 if delta == 0:
                     return entry
                 entry.nbytes = nbytes
+                entry.relocate()  # grown (or shrunk) by an op: in a new block
                 self._totals[entry.device] += delta
             for listener in self._listeners:  # `_tell`, inline: the per-op path
                 if listener.device == entry.device:

@@ -4,6 +4,7 @@ by a weak reference), its size, its role; and how a tensor's storage and device 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -62,9 +63,14 @@ class Entry:
 _ADDRESSES = [False]
 
 
-def follow_addresses() -> None:
-    """From now on, each new entry keeps its storage's address (`memlab.core.native`)."""
-    _ADDRESSES[0] = True
+def follow_addresses(entries: Iterable[Entry] = ()) -> None:
+    """From now on, each new entry keeps its storage's address (`memlab.core.native`); the
+    first call also reads it for ``entries`` (the ledger's, made before), so that the free of
+    any storage the ledger follows can be placed or said."""
+    if not _ADDRESSES[0]:
+        _ADDRESSES[0] = True
+        for entry in list(entries):
+            entry.relocate()
 
 
 def address_of(storage: torch.UntypedStorage) -> int:

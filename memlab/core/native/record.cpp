@@ -61,6 +61,9 @@ struct Alloc {
   // wrapper's, else not at all.
   bool adopted;
   bool older_block;  // adopted, and an older block of the wrapper's (its free is in the log)
+  // Its storage moved on to a newer block of this region (grown by an op or resize_): its
+  // bytes leave at the newer block's place (a Move), and its own free is not counted.
+  bool superseded;
 };
 
 struct Freed {
@@ -74,6 +77,7 @@ struct Read {
   uintptr_t ptr;
   int64_t size;
   bool taken;  // returned later by an op in its block of this region: the region's, not read
+  bool moved;  // grown by an op into a block of this region (its Move is made)
 };
 
 // Made once and never destroyed: PyTorch frees tensors during the process's exit, after this
@@ -106,10 +110,14 @@ std::unordered_map<c10::StorageImpl*, std::pair<uintptr_t, int64_t>>& reported_r
 // old bytes leave at the new block's place in the order; the copy's moment with both alive is
 // the kernel's, as its scratch memory is.)
 struct Move {
-  int64_t seq;   // the new block's allocation
-  int64_t size;  // the old size
+  int64_t seq;        // the new block's allocation
+  int64_t size;       // the old size
+  uintptr_t old_ptr;  // the old block (its free, if the ledger reports it, is this Move's)
 };
 std::vector<Move>& moves = *new std::vector<Move>();
+// The block of this region each storage an op returned lives in now (index in `allocs`).
+std::unordered_map<c10::StorageImpl*, size_t>& current =
+    *new std::unordered_map<c10::StorageImpl*, size_t>();
 // Adopted storages not of the wrapper's memory, alive when last looked at (indexes in
 // `allocs`): their free cannot be seen, so each op looks whether they died since (a
 // DataLoader's batches in shared memory come and go; few are alive at once).
@@ -186,7 +194,8 @@ struct Wrapper final : c10::Allocator {
         if (allocs.size() < static_cast<size_t>(limit)) {
           b.region = region;
           b.index = static_cast<int64_t>(allocs.size());
-          allocs.push_back({key, static_cast<int64_t>(n), seq++, -1, nullptr, false, false});
+          allocs.push_back(
+              {key, static_cast<int64_t>(n), seq++, -1, nullptr, false, false, false});
         } else {
           overflow = true;
         }
@@ -215,6 +224,10 @@ void after_fork_parent() {
 }
 void after_fork_child() {
   region = 0;
+  held = false;
+  if (handle != 0) {  // the forking thread's callback: the child has no region open
+    at::removeCallback(handle);
+  }
   handle = 0;
 #ifdef MN_MODE_KEY
   if (key_included) {  // forked inside a region, on its thread: the child has none open
@@ -322,6 +335,22 @@ int parent_frame() {  // an int: plain char is unsigned on some machines
   return -1;  // none: called from Python
 }
 
+// Weak references to give up once `mu` is released: the last one can delete a storage object
+// that still holds a tensor (a functional tensor's storage holds its base), whose memory is
+// then freed through the wrapper, which takes `mu`.
+std::vector<c10::StorageImpl*>& to_release = *new std::vector<c10::StorageImpl*>();
+
+void release_deferred() {  // never under `mu`
+  std::vector<c10::StorageImpl*> now;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    now.swap(to_release);
+  }
+  for (c10::StorageImpl* s : now) {
+    c10::raw::weak_intrusive_ptr::decref(s);
+  }
+}
+
 void seen(c10::StorageImpl* s) {  // under `mu`
   if (read_seen.insert(s).second) {
     c10::raw::weak_intrusive_ptr::incref(s);
@@ -337,10 +366,10 @@ void read_storage(c10::StorageImpl* s) {
     return;
   }
   const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
-  seen(s);
   if (key == 0) {
-    return;
+    return;  // no memory (nor held: a functional tensor's storage would keep its base alive)
   }
+  seen(s);
   const auto nbytes = static_cast<int64_t>(s->nbytes());
   if (reported.count(s) != 0) {  // the ledger has it: only its block, should an op move it
     reported_reads.emplace(s, std::make_pair(key, nbytes));
@@ -355,7 +384,7 @@ void read_storage(c10::StorageImpl* s) {
   // thread, or the data `torch.tensor` is about to lift): read, unless an op returns it later
   c10::raw::weak_intrusive_ptr::incref(s);
   read_index[s] = reads.size();
-  reads.push_back({s, key, nbytes, false});
+  reads.push_back({s, key, nbytes, false, false});
 }
 
 // A storage an op returned: the allocation behind it, if new in the region, is the
@@ -374,20 +403,27 @@ void returned_storage(c10::StorageImpl* s) {
     c10::raw::weak_intrusive_ptr::incref(s);
     a.storage = s;
     ++marked;
+    const size_t index = static_cast<size_t>(it->second.index);
+    auto cur = current.find(s);
     auto r = read_index.find(s);
-    if (r != read_index.end()) {
+    auto rr = reported_reads.find(s);
+    if (cur != current.end()) {  // a storage of this region, grown again into this block
+      Alloc& before = allocs[cur->second];
+      moves.push_back({a.seq, before.size, before.ptr});
+      before.superseded = true;
+    } else if (r != read_index.end()) {
       Read& read = reads[r->second];
       if (read.ptr == key) {
         read.taken = true;  // its own block, read before an op returned it: the region's
-      } else {
-        moves.push_back({a.seq, read.size});  // an older storage, grown into this block
+      } else if (!read.moved) {  // an older storage, grown into this block
+        moves.push_back({a.seq, read.size, read.ptr});
+        read.moved = true;
       }
-    } else {
-      auto rr = reported_reads.find(s);
-      if (rr != reported_reads.end() && rr->second.first != key) {
-        moves.push_back({a.seq, rr->second.second});
-      }
+    } else if (rr != reported_reads.end() && rr->second.first != key) {
+      moves.push_back({a.seq, rr->second.second, rr->second.first});
+      reported_reads.erase(rr);
     }
+    current[s] = index;
     seen(s);  // when read later: this region's, nothing to look up
     return;
   }
@@ -403,7 +439,8 @@ void returned_storage(c10::StorageImpl* s) {
   if (!older_block) {  // not the wrapper's: its free is looked for at each op
     adopted_alive.push_back(allocs.size());
   }
-  allocs.push_back({key, static_cast<int64_t>(s->nbytes()), seq++, -1, s, true, older_block});
+  allocs.push_back(
+      {key, static_cast<int64_t>(s->nbytes()), seq++, -1, s, true, older_block, false});
   ++marked;
   seen(s);
 }
@@ -586,7 +623,7 @@ void report(c10::StorageImpl* s) {
 
 void forget_reported() {
   for (c10::StorageImpl* s : reported) {
-    c10::raw::weak_intrusive_ptr::decref(s);
+    to_release.push_back(s);
   }
   reported.clear();
 }
@@ -597,7 +634,7 @@ void prune_reported() {
   }
   for (auto it = reported.begin(); it != reported.end();) {
     if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
-      c10::raw::weak_intrusive_ptr::decref(*it);
+      to_release.push_back(*it);
       it = reported.erase(it);
     } else {
       ++it;
@@ -611,7 +648,7 @@ void prune_reported() {
 // (share_memory_ puts it in a shared segment). It keeps its bytes, as the ledger sees it.
 // Under `mu`.
 bool moved_out(const Alloc& a) {
-  if (a.free_seq < 0 || a.storage == nullptr ||
+  if (a.free_seq < 0 || a.storage == nullptr || a.superseded ||
       c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
     return false;
   }
@@ -628,15 +665,15 @@ bool moved_out(const Alloc& a) {
 void drop_weak_refs() {
   for (Alloc& a : allocs) {
     if (a.storage != nullptr) {
-      c10::raw::weak_intrusive_ptr::decref(a.storage);
+      to_release.push_back(a.storage);
       a.storage = nullptr;
     }
   }
   for (Read& r : reads) {
-    c10::raw::weak_intrusive_ptr::decref(r.storage);
+    to_release.push_back(r.storage);
   }
   for (c10::StorageImpl* s : read_seen) {
-    c10::raw::weak_intrusive_ptr::decref(s);
+    to_release.push_back(s);
   }
   allocs.clear();
   earlier_frees.clear();
@@ -646,6 +683,7 @@ void drop_weak_refs() {
   reported_reads.clear();
   moves.clear();
   adopted_alive.clear();
+  current.clear();
   resizes.clear();
   marked = 0;
   seq = 0;
@@ -677,7 +715,7 @@ void mn_prefer_records(int yes) {
 // Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
 // 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
 // could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
-int mn_begin(int64_t max_events, int64_t ledger) {
+int begin_locked(int64_t max_events, int64_t ledger) {
   try {
     std::lock_guard<std::mutex> g(mu);
     if (region != 0 || held) {
@@ -734,8 +772,15 @@ int mn_begin(int64_t max_events, int64_t ledger) {
     return 0;
   } catch (...) {
     region = 0;
+    held = false;  // (else every later region would find the record held)
     return 3;
   }
+}
+
+int mn_begin(int64_t max_events, int64_t ledger) {
+  const int code = begin_locked(max_events, ledger);
+  release_deferred();
+  return code;
 }
 
 // Closes the region: no more events are logged. Its record stays readable until the next one.
@@ -800,22 +845,23 @@ void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int
   for (const auto& r : resizes) {
     delta[r.first] += r.second;
   }
+  int64_t found = 0;
   for (const Move& m : moves) {
     delta[m.seq] -= m.size;
+    found += wanted.erase(m.old_ptr) != 0 ? 1 : 0;  // its old bytes left here already
   }
   for (const Alloc& a : allocs) {
     if (a.storage == nullptr) {
       continue;
     }
     delta[a.seq] += a.size;
-    if (a.free_seq >= 0 && !moved_out(a)) {
+    if (a.free_seq >= 0 && !a.superseded && !moved_out(a)) {
       delta[a.free_seq] -= a.size;
     }
     if (a.older_block) {
       adopted.emplace(a.ptr, a.size);
     }
   }
-  int64_t found = 0;
   for (const Freed& f : earlier_frees) {
     auto it = wanted.find(f.ptr);
     if (it != wanted.end()) {
@@ -908,15 +954,17 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
     return 0;
   }
   c10::StorageImpl* owner = nullptr;
+  Alloc* before = nullptr;
   for (auto it = allocs.rbegin(); it != allocs.rend(); ++it) {
     if (it->ptr == old_ptr && it->storage != nullptr) {
       owner = it->storage;
+      before = &*it;
       break;
     }
   }
   auto nb = live.find(new_ptr);
   Alloc* fresh = nullptr;
-  if (nb != live.end() && nb->second.region == region) {
+  if (nb != live.end() && nb->second.region == region && nb->second.index >= 0) {
     fresh = &allocs[nb->second.index];
   }
   if (owner != nullptr && old_ptr != 0) {
@@ -924,6 +972,10 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
       c10::raw::weak_intrusive_ptr::incref(owner);
       fresh->storage = owner;
       ++marked;
+      // as the dispatch mode's ledger sees a resize: the old bytes leave as the new arrive
+      moves.push_back({fresh->seq, before->size, old_ptr});
+      before->superseded = true;
+      current[owner] = static_cast<size_t>(nb->second.index);
     }
     return 1;
   }
@@ -938,16 +990,19 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
 // Drops the record of the last region (its weak references keep storage objects, not their
 // memory) once it has been read.
 void mn_release() {
-  std::lock_guard<std::mutex> g(mu);
-  if (region != 0) {
-    return;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (region != 0) {
+      return;
+    }
+    held = false;
+    drop_weak_refs();
+    if (allocs.capacity() > 65536) {
+      std::vector<Alloc>().swap(allocs);  // NOLINT
+      std::vector<Freed>().swap(earlier_frees);
+    }
   }
-  held = false;
-  drop_weak_refs();
-  if (allocs.capacity() > 65536) {
-    std::vector<Alloc>().swap(allocs);  // NOLINT
-    std::vector<Freed>().swap(earlier_frees);
-  }
+  release_deferred();
 }
 
 // Whether the block at ptr was allocated through the wrapper and is alive.
@@ -960,7 +1015,7 @@ int mn_follows(uintptr_t ptr) {
 // last record. 0: done or nothing to do; 1: a region is open; 2: other code replaced it since.
 // keep_key: the dispatch key's fallback stays registered (inert while no region includes the
 // key; registering it again costs a millisecond or two: the benchmarks' untracked anchor).
-int mn_uninstall(int keep_key) {
+int uninstall_locked(int keep_key) {
   std::lock_guard<std::mutex> g(mu);
   if (region != 0 || held) {
     return 1;
@@ -981,5 +1036,11 @@ int mn_uninstall(int keep_key) {
   c10::SetCPUAllocator(original, 0);
   installed = false;
   return 0;
+}
+
+int mn_uninstall(int keep_key) {
+  const int code = uninstall_locked(keep_key);
+  release_deferred();
+  return code;
 }
 }

@@ -70,9 +70,13 @@ class _Frees:
         self.freed: dict[int, int] = {}  # address -> bytes
         self.unplaced = 0
         self.discovered = 0
+        #: Serials of storages found during the region (counted in `before` as older memory),
+        #: and their addresses then.
+        self.found: set[int] = set()
+        self.found_at: set[int] = set()
 
     def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
-        if serial < self.first:
+        if serial < self.first or serial in self.found:
             entry = self.ledger._by_serial.get(serial)
             if entry is not None and entry.ptr:
                 self.freed[entry.ptr] = nbytes
@@ -86,6 +90,10 @@ class _Frees:
         # a storage from before the region, first seen now (read by an op, marked, resized):
         # it raises every figure of the region, its start included
         self.discovered += nbytes
+        self.found.add(serial)
+        entry = self.ledger._by_serial.get(serial)
+        if entry is not None and entry.ptr:
+            self.found_at.add(entry.ptr)
 
     def on_mark(self, serial: int, category: Category) -> None:
         pass
@@ -163,13 +171,15 @@ class NativeRegion:
         self._resizing = resizing
         self._open = True
         _OPEN[:] = [self]
-        follow_addresses()
+        follow_addresses(self.ledger._entries.values())
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
         added = storage.nbytes() - before
         if self._lib.mn_resized(resizes.before_ptr, address_of(storage), added):
             return  # a storage of this region's: the record follows it to its new memory
+        if self._frees is not None and not self.ledger.knows(storage):
+            self._frees.found_at.add(resizes.before_ptr)  # found now, at its old address
         self.ledger.resized(storage, before)  # one new to it: found at its old size
 
     def set_origin(self, t0: float) -> None:
@@ -276,8 +286,8 @@ class NativeRegion:
                     if storage is None:  # read, then freed in the region
                         if ptrs[i] in self._handed:  # counted in `before` when handed over
                             frees.freed.setdefault(ptrs[i], sizes[i])
-                        elif ptrs[i] not in frees.freed:
-                            dead_reads[ptrs[i]] = sizes[i]
+                        elif ptrs[i] not in frees.freed and ptrs[i] not in frees.found_at:
+                            dead_reads[ptrs[i]] = sizes[i]  # (found ones: in `before` already)
                     else:  # registered if new to the ledger (heard by `frees`), at its size
                         # when read (an op may have grown it since: the ledger hears that as
                         # the op's, when the storage is registered as a survivor below)
