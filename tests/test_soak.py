@@ -96,6 +96,7 @@ def _soak_installed():
 
 NOTHING = {
     "CPU allocator wrapper": 0,
+    "dispatch-key fallbacks": 0,
     "dispatch modes": 0,
     "saved-tensor hooks": 0,
     "module forward pre-hooks": 0,

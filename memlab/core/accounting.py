@@ -221,33 +221,6 @@ class Accountant(Roles):
         return Phase.OTHER
 
     # -- roles ---------------------------------------------------------------------------------
-    def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
-        # Once per leaf and storage in a region: the same parameters come back at every op
-        # that reads them, at every module call and at each end of an optimizer step.
-        if storage is None:
-            storage = storage_of(t)
-        seen = self._leaf_refs.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1]() is storage:
-            return
-        self._leaf_refs[id(t)] = (weakref.ref(t), _ref_or_none(storage))
-        self._leaves[t] = True
-        if isinstance(t, torch.nn.Parameter):
-            self.mark(t, Category.PARAMETER)
-
-    def mark(self, t: torch.Tensor, category: Category) -> None:
-        # Once per storage and role in a region (telling the ledger again changes nothing):
-        # the optimizer's hooks name every parameter, gradient and state before and after
-        # each step.
-        storage = storage_of(t)
-        if storage is None:
-            return
-        key = (id(storage), category)
-        told = self._marked.get(key)
-        if told is not None and told() is storage:
-            return
-        self.ledger.classify(t, category, storage)
-        self._marked[key] = weakref.ref(storage)
-
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # Returning ``t`` itself would tie a saved output to its own grad_fn in a cycle that
         # even gc cannot free; a detached alias saves the same storage without it, and its
@@ -304,16 +277,6 @@ class Accountant(Roles):
 
 
 _OPT = "an optimizer's roles not read"
-
-
-def _none() -> None:
-    return None
-
-
-def _ref_or_none(storage: Any) -> Any:
-    """A weak reference to ``storage``, or a callable answering None for a tensor without
-    one (a sparse leaf): compared with ``is`` against the storage found next time."""
-    return _none if storage is None else weakref.ref(storage)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -114,9 +115,7 @@ class Ledger(Listeners):
         totals[device] += nbytes
         return entry
 
-    def existing(
-        self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int | None = None
-    ) -> Entry:
+    def existing(self, t: torch.Tensor, storage: Any, nbytes: int | None = None) -> Entry:
         """``t``'s storage, alive before now; registered as pre-existing if new to us, at
         ``nbytes`` where given (its size when it was read), else at its size now."""
         if self._dead:  # first: a dead storage's id may be the new one's
@@ -129,8 +128,8 @@ class Ledger(Listeners):
             entry = self._entries.get(key)
             if entry is None:
                 # The tensor's device, not the storage's: a fake tensor's storage is on "meta".
-                size = storage.nbytes() if nbytes is None else nbytes
-                entry = self._add(storage, size, device_key(t.device))
+                nbytes = storage.nbytes() if nbytes is None else nbytes
+                entry = self._add(storage, nbytes, device_key(t.device))
                 self._tell(entry.device, "on_discovered", entry.serial, entry.nbytes)
             return entry
 
@@ -216,12 +215,9 @@ class Ledger(Listeners):
                     except Exception as e:
                         self._failed(listener, e)
 
-    def classify(
-        self, t: torch.Tensor, category: Category, storage: torch.UntypedStorage | None = None
-    ) -> None:
+    def classify(self, t: torch.Tensor, category: Category, storage: Any = None) -> None:
         """``t``'s storage (``storage`` where the caller has it already) plays ``category``."""
-        if storage is None:
-            storage = storage_of(t)
+        storage = storage_of(t) if storage is None else storage
         if storage is None:
             return
         entry = self.existing(t, storage)

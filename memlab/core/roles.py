@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
@@ -21,12 +22,38 @@ class Roles:
     ledger: Ledger
     errors: list[str]
     _optimizers: weakref.WeakSet[torch.optim.Optimizer]
+    _leaves: WeakIdKeyDictionary
+    #: id -> weak references to each leaf remembered and to its storage then.
+    _leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], Any]]
+    #: (storage id, role) -> weak reference to the storage, for each role told the ledger.
+    _marked: dict[tuple[int, Category], weakref.ref[torch.UntypedStorage]]
 
     def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
-        raise NotImplementedError
+        # Once per leaf and storage in a region: the same parameters come back at every op
+        # that reads them, at every module call and at each end of an optimizer step.
+        if storage is None:
+            storage = storage_of(t)
+        seen = self._leaf_refs.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1]() is storage:
+            return
+        self._leaf_refs[id(t)] = (weakref.ref(t), _ref_or_none(storage))
+        self._leaves[t] = True
+        if isinstance(t, torch.nn.Parameter):
+            self.mark(t, Category.PARAMETER)
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
-        raise NotImplementedError
+        # Once per storage and role in a region (telling the ledger again changes nothing):
+        # the optimizer's hooks name every parameter, gradient and state before and after
+        # each step.
+        storage = storage_of(t)
+        if storage is None:
+            return
+        key = (id(storage), category)
+        told = self._marked.get(key)
+        if told is not None and told() is storage:
+            return
+        self.ledger.classify(t, category, storage)
+        self._marked[key] = weakref.ref(storage)
 
     def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
         for p in module.parameters(recurse=recurse):
@@ -77,3 +104,13 @@ class Roles:
                 self._remember_leaf(obj)
                 if obj.grad is not None:
                     self.mark(obj.grad, Category.GRADIENT)
+
+
+def _none() -> None:
+    return None
+
+
+def _ref_or_none(storage: Any) -> Any:
+    """A weak reference to ``storage``, or a callable answering None for a tensor without
+    one (a sparse leaf): compared with ``is`` against the storage found next time."""
+    return _none if storage is None else weakref.ref(storage)

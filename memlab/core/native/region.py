@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -32,9 +32,9 @@ from memlab.core._torch_record import (
     restore_stance,
     storage_from_weak,
 )
-from memlab.core.categories import Category
 from memlab.core.ledger import Ledger
 from memlab.core.native import library
+from memlab.core.native.frees import ON_CPU, Frees
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
 from memlab.core.storages import address_of, follow_addresses
@@ -47,59 +47,6 @@ _COUNTS = (ctypes.c_int64 * 7)()
 _OUT = (ctypes.c_int64 * 5)()
 _NO_ADDRESSES = (ctypes.c_size_t * 1)()
 _NO_BYTES = (ctypes.c_int64 * 1)()
-
-
-class _OnCpu:
-    """Stands for a tensor where the ledger asks only for its device: the record hands over
-    storages, not tensors."""
-
-    device = torch.device("cpu")
-
-
-_ON_CPU = cast(torch.Tensor, _OnCpu())
-
-
-class _Frees:
-    """Listens to the ledger for the region: the frees of storages it followed before."""
-
-    device = _CPU
-
-    def __init__(self, ledger: Ledger, first: int) -> None:
-        self.ledger = ledger
-        self.first = first
-        self.freed: dict[int, int] = {}  # address -> bytes
-        self.unplaced = 0
-        self.discovered = 0
-        #: Serials of storages found during the region (counted in `before` as older memory),
-        #: and their addresses then.
-        self.found: set[int] = set()
-        self.found_at: set[int] = set()
-
-    def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
-        if serial < self.first or serial in self.found:
-            entry = self.ledger._by_serial.get(serial)
-            if entry is not None and entry.ptr:
-                self.freed[entry.ptr] = nbytes
-            else:  # from before the wrapper: no place in its log (counted at the end)
-                self.unplaced += nbytes
-
-    def on_alloc(self, serial: int, delta: int, when: float) -> None:
-        pass
-
-    def on_discovered(self, serial: int, nbytes: int) -> None:
-        # a storage from before the region, first seen now (read by an op, marked, resized):
-        # it raises every figure of the region, its start included
-        self.discovered += nbytes
-        self.found.add(serial)
-        entry = self.ledger._by_serial.get(serial)
-        if entry is not None and entry.ptr:
-            self.found_at.add(entry.ptr)
-
-    def on_mark(self, serial: int, category: Category) -> None:
-        pass
-
-    def on_saved(self, serial: int, saved: bool) -> None:
-        pass
 
 
 #: The native region open now, if any (the library records one at a time, process-wide).
@@ -125,7 +72,7 @@ class NativeRegion:
     def __init__(self, ledger: Ledger, lib: Any) -> None:
         self.ledger = ledger
         self._lib = lib
-        self._frees: _Frees | None = None
+        self._frees: Frees | None = None
         self._open = False
         self.before = 0
         self._tally: Tally | None = None
@@ -151,7 +98,7 @@ class NativeRegion:
         with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
             ledger.settle()
             self.before = ledger._totals.get(_CPU, 0)
-            frees = self._frees = _Frees(ledger, next(ledger._serials))
+            frees = self._frees = Frees(ledger, next(ledger._serials))
             ledger._listeners.append(frees)
         resizing = following_resizes(self._resized)
         try:
@@ -211,7 +158,7 @@ class NativeRegion:
             raise
         self._done(frees)
 
-    def _done(self, frees: _Frees) -> None:
+    def _done(self, frees: Frees) -> None:
         if _OPEN and _OPEN[0] is self:
             _OPEN.clear()
         try:
@@ -238,7 +185,7 @@ class NativeRegion:
                 for i in range(lib.mn_reads(weak, ptrs, sizes, n_reads)):
                     storage = storage_from_weak(weak[i])
                     if storage is not None and not ledger.knows(storage):
-                        ledger.existing(_ON_CPU, storage, sizes[i])
+                        ledger.existing(ON_CPU, storage, sizes[i])
                         self._handed[ptrs[i]] = sizes[i]
             if n_alive:
                 weak = (ctypes.c_ssize_t * n_alive)()
@@ -247,7 +194,7 @@ class NativeRegion:
                 for i in range(lib.mn_survivors(weak, sizes, n_alive)):
                     storage = storage_from_weak(weak[i])
                     if storage is not None:
-                        ledger.produced(_ON_CPU, storage, when)
+                        ledger.produced(ON_CPU, storage, when)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         if self._tally is None:
@@ -255,7 +202,7 @@ class NativeRegion:
         return self._tally
 
     # -- the one pass at the end --------------------------------------------------------------
-    def _settle(self, lib: Any, frees: _Frees) -> Tally:
+    def _settle(self, lib: Any, frees: Frees) -> Tally:
         ledger = self.ledger
         counts = _COUNTS
         lib.mn_counts(counts, len(counts))
@@ -291,7 +238,7 @@ class NativeRegion:
                     else:  # registered if new to the ledger (heard by `frees`), at its size
                         # when read (an op may have grown it since: the ledger hears that as
                         # the op's, when the storage is registered as a survivor below)
-                        ledger.existing(_ON_CPU, storage, sizes[i])
+                        ledger.existing(ON_CPU, storage, sizes[i])
             if n_alive:
                 weak = (ctypes.c_ssize_t * n_alive)()
                 sizes = (ctypes.c_int64 * n_alive)()
@@ -300,7 +247,7 @@ class NativeRegion:
                 for i in range(k):
                     storage = storage_from_weak(weak[i])
                     if storage is not None:
-                        ledger.produced(_ON_CPU, storage, when)
+                        ledger.produced(ON_CPU, storage, when)
             known = {**frees.freed, **dead_reads}
             n = len(known)
             if n:
