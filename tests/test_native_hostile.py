@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_native_record import Workload
+from test_native_record import figures as record_figures
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import memlab
 from memlab.core import native
-
-Workload = Callable[[], Callable[[], Any]]
 
 
 def key_on() -> bool:
@@ -61,19 +61,12 @@ def dispatch_key_route() -> Iterator[None]:
 
 
 def figures(build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, ...]:
-    monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
-    gc.collect()  # the other run's objects are gone: they would count in `before`
-    torch.manual_seed(0)
-    body = build()
-    kept: list[Any] = []
-    with memlab.track("cpu") as t:
-        kept.append(body())
-    assert (t._native is not None) == native_on
+    """test_native_record.py's figures, on the dispatch-key route, with the key left off."""
+    found = record_figures(build, native_on, monkeypatch)
     if native_on:
         assert native.route() == "dispatch key"
     assert not key_on()
-    r = t.report
-    return (r.allocated_before, r.allocated_after, r.peak_allocated)
+    return found
 
 
 def both(build: Workload, monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[int, ...], ...]:

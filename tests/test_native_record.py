@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ Workload = Callable[[], Callable[[], Any]]
 
 def figures(build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, ...]:
     monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
+    gc.collect()  # the other run's objects are gone: they would count in `before`
     torch.manual_seed(0)
     body = build()
     kept: list[Any] = []

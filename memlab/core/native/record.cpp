@@ -150,6 +150,15 @@ bool held = false;  // from a region's start until its record is released (read)
 // Whether this thread includes the dispatch key of the key route (see mode_fallback).
 thread_local bool key_included = false;
 
+#ifdef MN_MODE_KEY
+constexpr c10::DispatchKey kModeKey = c10::DispatchKey::Fake;
+
+void key_off() {  // the key route's key off the calling thread
+  c10::impl::tls_set_dispatch_key_included(kModeKey, false);
+  key_included = false;
+}
+#endif
+
 void counted_free(void* p) {
   c10::DeleterFnPtr free_fn = nullptr;
   {
@@ -231,8 +240,7 @@ void after_fork_child() {
   handle = 0;
 #ifdef MN_MODE_KEY
   if (key_included) {  // forked inside a region, on its thread: the child has none open
-    c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, false);
-    key_included = false;
+    key_off();
   }
 #endif
   mu.unlock();
@@ -525,7 +533,6 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 // region opening on a thread that has it treats it as its own; and after the fallback is
 // taken out, an inert fallthrough stays at the key (a tombstone), so that a thread that still
 // has it runs its ops as if it had not.
-constexpr c10::DispatchKey kModeKey = c10::DispatchKey::Fake;
 c10::RegistrationHandleRAII* key_fallback = nullptr;
 c10::RegistrationHandleRAII* key_tombstone = nullptr;
 // The route the open region follows ops by (1: this fallback); see mn_begin.
@@ -543,8 +550,7 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
     std::lock_guard<std::mutex> g(mu);
     mine = route == 1 ? region : 0;
     if (mine == 0) {  // a stale key (see above): off this thread from now on
-      c10::impl::tls_set_dispatch_key_included(kModeKey, false);
-      key_included = false;
+      key_off();
     } else if (!adopted_alive.empty()) {
       look_at_adopted();
     }
@@ -662,6 +668,11 @@ bool moved_out(const Alloc& a) {
          allocs[it->second.index].storage != a.storage;
 }
 
+// An allocation whose storage is alive at the region's end, in this block or moved out.
+bool survives(const Alloc& a) {
+  return a.storage != nullptr && (a.free_seq < 0 || moved_out(a));
+}
+
 void drop_weak_refs() {
   for (Alloc& a : allocs) {
     if (a.storage != nullptr) {
@@ -760,8 +771,7 @@ int begin_locked(int64_t max_events, int64_t ledger) {
       return 0;
     }
     if (c10::impl::tls_is_dispatch_key_included(kModeKey)) {  // stale: off for this route
-      c10::impl::tls_set_dispatch_key_included(kModeKey, false);
-      key_included = false;
+      key_off();
     }
 #endif
     handle = at::addThreadLocalCallback(
@@ -792,8 +802,7 @@ void mn_end() {
 #ifdef MN_MODE_KEY
   // called on the region's thread, where it was included (or put back by a guard since)
   if (key_included || c10::impl::tls_is_dispatch_key_included(kModeKey)) {
-    c10::impl::tls_set_dispatch_key_included(kModeKey, false);
-    key_included = false;
+    key_off();
   }
 #endif
   std::lock_guard<std::mutex> g(mu);
@@ -810,7 +819,7 @@ void mn_counts(int64_t* out, int64_t n) {  // writes the first n (at most 7)
   std::lock_guard<std::mutex> g(mu);
   int64_t alive = 0;
   for (const Alloc& a : allocs) {
-    alive += (a.storage != nullptr && (a.free_seq < 0 || moved_out(a))) ? 1 : 0;
+    alive += survives(a) ? 1 : 0;
   }
   const int64_t all[7] = {static_cast<int64_t>(allocs.size()),
                           marked,
@@ -910,7 +919,7 @@ int64_t mn_survivors(intptr_t* storages, int64_t* sizes, int64_t cap) {
     if (k >= cap) {
       break;
     }
-    if (a.storage != nullptr && (a.free_seq < 0 || moved_out(a))) {
+    if (survives(a)) {
       c10::raw::weak_intrusive_ptr::incref(a.storage);
       report(a.storage);
       storages[k] = reinterpret_cast<intptr_t>(a.storage);

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -173,28 +174,15 @@ class NativeRegion:
         if not self._open:
             return
         lib, ledger = self._lib, self.ledger
-        counts = (ctypes.c_int64 * 7)()
-        lib.mn_counts(counts, len(counts))
-        n_reads, n_alive = counts[3], counts[5]
+        lib.mn_counts(_COUNTS, len(_COUNTS))
+        n_reads, n_alive = _COUNTS[3], _COUNTS[5]
         with ledger._lock:
             ledger.settle()
-            if n_reads:
-                weak = (ctypes.c_ssize_t * n_reads)()
-                ptrs = (ctypes.c_size_t * n_reads)()
-                sizes = (ctypes.c_int64 * n_reads)()
-                for i in range(lib.mn_reads(weak, ptrs, sizes, n_reads)):
-                    storage = storage_from_weak(weak[i])
-                    if storage is not None and not ledger.knows(storage):
-                        ledger.existing(ON_CPU, storage, sizes[i])
-                        self._handed[ptrs[i]] = sizes[i]
-            if n_alive:
-                weak = (ctypes.c_ssize_t * n_alive)()
-                sizes = (ctypes.c_int64 * n_alive)()
-                when = time.perf_counter()
-                for i in range(lib.mn_survivors(weak, sizes, n_alive)):
-                    storage = storage_from_weak(weak[i])
-                    if storage is not None:
-                        ledger.produced(ON_CPU, storage, when)
+            for storage, ptr, size in _reads(lib, n_reads):
+                if storage is not None and not ledger.knows(storage):
+                    ledger.existing(ON_CPU, storage, size)
+                    self._handed[ptr] = size
+            _register_survivors(lib, ledger, n_alive)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         if self._tally is None:
@@ -223,31 +211,17 @@ class NativeRegion:
         dead_reads: dict[int, int] = {}
         with ledger._lock:
             ledger.settle()  # the region's frees of followed storages, heard by `frees`
-            if n_reads:
-                weak = (ctypes.c_ssize_t * n_reads)()
-                ptrs = (ctypes.c_size_t * n_reads)()
-                sizes = (ctypes.c_int64 * n_reads)()
-                k = lib.mn_reads(weak, ptrs, sizes, n_reads)
-                for i in range(k):
-                    storage = storage_from_weak(weak[i])
-                    if storage is None:  # read, then freed in the region
-                        if ptrs[i] in self._handed:  # counted in `before` when handed over
-                            frees.freed.setdefault(ptrs[i], sizes[i])
-                        elif ptrs[i] not in frees.freed and ptrs[i] not in frees.found_at:
-                            dead_reads[ptrs[i]] = sizes[i]  # (found ones: in `before` already)
-                    else:  # registered if new to the ledger (heard by `frees`), at its size
-                        # when read (an op may have grown it since: the ledger hears that as
-                        # the op's, when the storage is registered as a survivor below)
-                        ledger.existing(ON_CPU, storage, sizes[i])
-            if n_alive:
-                weak = (ctypes.c_ssize_t * n_alive)()
-                sizes = (ctypes.c_int64 * n_alive)()
-                k = lib.mn_survivors(weak, sizes, n_alive)
-                when = time.perf_counter()
-                for i in range(k):
-                    storage = storage_from_weak(weak[i])
-                    if storage is not None:
-                        ledger.produced(ON_CPU, storage, when)
+            for storage, ptr, size in _reads(lib, n_reads):
+                if storage is None:  # read, then freed in the region
+                    if ptr in self._handed:  # counted in `before` when handed over
+                        frees.freed.setdefault(ptr, size)
+                    elif ptr not in frees.freed and ptr not in frees.found_at:
+                        dead_reads[ptr] = size  # (found ones: in `before` already)
+                else:  # registered if new to the ledger (heard by `frees`), at its size when
+                    # read (an op may have grown it since: the ledger hears that as the op's,
+                    # when the storage is registered as a survivor below)
+                    ledger.existing(ON_CPU, storage, size)
+            _register_survivors(lib, ledger, n_alive)
             known = {**frees.freed, **dead_reads}
             n = len(known)
             if n:
@@ -274,6 +248,32 @@ class NativeRegion:
                 "counted at the region's end, so the peak may be higher than it was"
             )
         return Tally(before, after, before + high, None, None, None, None, None, None)
+
+
+def _reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, int]]:
+    """The storages the region's ops read that predate it (at most ``n``): each one (None where
+    it died since), its address and its size when read."""
+    if not n:
+        return
+    weak = (ctypes.c_ssize_t * n)()
+    ptrs = (ctypes.c_size_t * n)()
+    sizes = (ctypes.c_int64 * n)()
+    for i in range(lib.mn_reads(weak, ptrs, sizes, n)):
+        yield storage_from_weak(weak[i]), ptrs[i], sizes[i]
+
+
+def _register_survivors(lib: Any, ledger: Ledger, n: int) -> None:
+    """The storages the region's ops returned that are alive (at most ``n``) into the ledger:
+    new memory, or grown."""
+    if not n:
+        return
+    weak = (ctypes.c_ssize_t * n)()
+    sizes = (ctypes.c_int64 * n)()
+    when = time.perf_counter()
+    for i in range(lib.mn_survivors(weak, sizes, n)):
+        storage = storage_from_weak(weak[i])
+        if storage is not None:
+            ledger.produced(ON_CPU, storage, when)
 
 
 def _eager() -> Any:
