@@ -1280,10 +1280,11 @@ def test_a_dataloader_with_workers_figures_agree_with_the_dispatch_modes(
     a whole number of batches, at least one and at most what two workers can have in flight."""
     native, dispatch = dataloader_run["1"]["figures"], dataloader_run["0"]["figures"]
     assert native[:2] == dispatch[:2], dataloader_run
-    batch = 8 * 1000 * 4
+    batch, scalar = 8 * 1000 * 4, 4  # a batch; the float32 `x.sum()` the loop makes of one
     for before, _, peak in (native, dispatch):
         held, rest = divmod(peak - before, batch)
-        assert rest == 0 and 1 <= held <= 2 * 2 + 1, dataloader_run
+        # (the sum may still be alive at the peak: one CI run's dispatch mode saw 96,004 B)
+        assert rest in (0, scalar) and 1 <= held <= 2 * 2 + 1, dataloader_run
 
 
 _KEY_LEFT_ON = """
