@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from conftest import NOTHING_INSTALLED, hooks_installed
@@ -245,7 +247,7 @@ def test_exception_removes_everything_and_still_reports(exc: type[BaseException]
     region = cpu(breakdown=True, timeline=True)
     with pytest.raises(exc), region:
         keep = torch.empty(1000)
-        assert hooks_installed()["dispatch modes"] == 1
+        assert hooks_installed()["module forward pre-hooks"] == 1  # (either way of measuring)
         raise exc()
     assert hooks_installed() == NOTHING_INSTALLED
     r = region.report
@@ -304,15 +306,27 @@ def test_allocation_is_stamped_when_its_op_starts() -> None:
     del c
 
 
-def test_a_failure_in_memlab_never_replaces_the_regions_own_exception(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from memlab.core.accounting import Accountant
+def _roles_class(way: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What learns roles with a breakdown: the dispatch mode's accountant, or the native
+    record's hooks."""
+    if way == "dispatch":
+        from memlab.core.accounting import Accountant
 
-    def broken(self: Accountant) -> None:
+        monkeypatch.setenv("MEMLAB_NATIVE", "0")
+        return Accountant
+    from memlab.core.native.roles import NativeRoles
+
+    return NativeRoles
+
+
+@pytest.mark.parametrize("way", ["dispatch", "native"])
+def test_a_failure_in_memlab_never_replaces_the_regions_own_exception(
+    way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Any) -> None:
         raise RuntimeError("memlab's own bug")
 
-    monkeypatch.setattr(Accountant, "finish", broken)
+    monkeypatch.setattr(_roles_class(way, monkeypatch), "finish", broken)
     region = cpu(breakdown=True)
     with pytest.raises(ZeroDivisionError), region:
         1 / 0  # noqa: B018
@@ -326,13 +340,12 @@ def test_a_failure_in_memlab_never_replaces_the_regions_own_exception(
     assert hooks_installed() == NOTHING_INSTALLED
 
 
-def test_a_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memlab.core.accounting import Accountant
-
-    def broken(self: Accountant) -> None:
+@pytest.mark.parametrize("way", ["dispatch", "native"])
+def test_a_failed_start_leaves_nothing_behind(way: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Any, *args: Any) -> None:
         raise RuntimeError("cannot install")
 
-    monkeypatch.setattr(Accountant, "install", broken)
+    monkeypatch.setattr(_roles_class(way, monkeypatch), "install", broken)
     region = cpu(breakdown=True)
     with pytest.raises(RuntimeError, match="cannot install"), region:
         pass

@@ -5,6 +5,12 @@ Each case is a tiny model; each mode a step configuration. Every (case, mode) pa
 matches a CPU run byte for byte (peak, bytes after, and every category at the peak, at the end
 and at its highest) or differs by exactly the bytes `EXPECTED` lists, under the causes named in
 `CAUSES`. A difference not listed, or a listed one that changed, fails.
+
+The CPU run is measured as the estimate counts: under memlab's dispatch mode
+(MEMLAB_NATIVE=0). A dispatch mode changes what some CPU kernels do (an RNN's or an attention
+layer's fused path gives way to its composite one, with other temporaries), and the estimate
+runs its model under one; the native record measures the program as it runs without one, so
+against it those layers differ by their temporaries, which says nothing about the estimate.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from torch import nn
 
 from memlab.estimate import estimate
 from memlab.whatif import RunConfig, StepHooks, run
+
+
+@pytest.fixture(autouse=True)
+def _dispatch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMLAB_NATIVE", "0")  # see the module's doc
 
 
 def conv1d():

@@ -27,7 +27,6 @@ from torch import nn
 
 import memlab
 from memlab.core import native
-from memlab.core.native.region import NativeRegion
 
 Workload = Callable[[], Callable[[], Any]]
 
@@ -522,7 +521,10 @@ def test_a_free_older_than_the_record_is_counted_at_the_end_and_said() -> None:
     _child(code)
 
 
-def test_a_user_dispatch_mode_or_breakdown_uses_the_dispatch_mode() -> None:
+def test_a_user_dispatch_mode_or_since_uses_the_dispatch_mode() -> None:
+    """The native record follows a breakdown too (with its own hooks); a dispatch mode of the
+    program's, or a breakdown that leaves out older storages (`since`), needs the dispatch
+    mode's accounting."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Quiet(TorchDispatchMode):
@@ -532,10 +534,15 @@ def test_a_user_dispatch_mode_or_breakdown_uses_the_dispatch_mode() -> None:
     with Quiet(), memlab.track("cpu") as t:
         torch.ones(3) * 2
     assert t._native is None
-    with memlab.track("cpu", breakdown=True) as t:
+    with Quiet(), memlab.track("cpu", breakdown=True) as t:
         torch.ones(3) * 2
     assert t._native is None
-    assert NativeRegion.open is not None
+    with memlab.track("cpu", breakdown=True, since=1) as t:
+        torch.ones(3) * 2
+    assert t._native is None
+    with memlab.track("cpu", breakdown=True) as t:
+        torch.ones(3) * 2
+    assert t._native is not None and t._native.roles is not None
 
 
 def test_the_record_is_released_once_read() -> None:
@@ -557,7 +564,7 @@ def test_a_ctrl_c_while_settling_still_gives_the_figures(monkeypatch: pytest.Mon
     """A KeyboardInterrupt inside the one pass at the region's end: ``track`` closes again, the
     record (still held) is settled again, the figures are right, the interrupt reaches the
     program, and the next region measures natively (the record was released)."""
-    from memlab.core.native import region
+    from memlab.core.native import handover as region
 
     with memlab.track("cpu"):  # the self-check has run (it reads storages the same way)
         pass
@@ -655,7 +662,7 @@ def test_a_self_check_that_disagrees_turns_the_record_off() -> None:
         "import torch, memlab\n"
         "from memlab.core import native\n"
         "from memlab.core.native import check\n"
-        "check._native = lambda lib: (1, 2, 3)  # as if the record had measured otherwise\n"
+        "check._native = lambda lib, keep: (1, 2, 3)  # as if the record had measured otherwise\n"
         "lib = native.library()\n"
         "with memlab.track('cpu') as t:\n"
         "    y = torch.ones(100) * 2\n"

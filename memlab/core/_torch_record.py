@@ -164,3 +164,71 @@ _FORCED: dict[str, Any] = {}
 def dispatch_modes_on() -> bool:
     """Whether any dispatch mode is on (without building the list of them). Checked 2.13."""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+class GlobalHooks:
+    """Module and optimizer hooks for the whole process (forward pre, forward always called,
+    step pre, step post), put in and taken out at every region: written straight into the
+    dicts PyTorch keeps them in, under ids taken once from ``RemovableHandle`` (so no other
+    hook's id is reused), where registering through the public functions makes two handles a
+    hook each time. Where the dicts are not there, the public functions are used. Checked
+    2.4.1, 2.13."""
+
+    def __init__(self, pre: Any, post: Any, step_pre: Any, step_post: Any) -> None:
+        from torch.nn.modules import module as mm
+        from torch.optim import optimizer as om
+        from torch.utils.hooks import RemovableHandle
+
+        self._hooks = (pre, post, step_pre, step_post)
+        self._handles: list[Any] = []
+        try:
+            dicts = (
+                mm._global_forward_pre_hooks,
+                mm._global_forward_hooks,
+                om._global_optimizer_pre_hooks,
+                om._global_optimizer_post_hooks,
+            )
+            self._always = mm._global_forward_hooks_always_called
+            self._ids = [RemovableHandle(d).id for d in dicts]
+            self._dicts: tuple[Any, ...] | None = dicts
+        except AttributeError:
+            self._dicts = None
+
+    def install(self) -> None:
+        if self._dicts is None:
+            from torch.nn.modules import module as mm
+            from torch.optim import optimizer as om
+
+            pre, post, step_pre, step_post = self._hooks
+            self._handles = [
+                mm.register_module_forward_pre_hook(pre),
+                mm.register_module_forward_hook(post, always_call=True),
+                om.register_optimizer_step_pre_hook(step_pre),
+                om.register_optimizer_step_post_hook(step_post),
+            ]
+            return
+        for d, key, hook in zip(self._dicts, self._ids, self._hooks, strict=True):
+            d[key] = hook
+        self._always[self._ids[1]] = True
+
+    def remove(self) -> None:
+        if self._dicts is None:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            return
+        for d, key in zip(self._dicts, self._ids, strict=True):
+            d.pop(key, None)
+        self._always.pop(self._ids[1], None)
+
+
+def storage_address(storage: torch.UntypedStorage) -> int:
+    """The C++ ``StorageImpl`` behind a storage object: how the native record names it.
+    Checked 2.13."""
+    return int(storage._cdata)
+
+
+def raw_op(overload: Any) -> Any:
+    """The C++ callable behind an ``OpOverload`` (called without the Python wrapper's frame:
+    a saved-tensor hook runs once per saved tensor). Checked 2.13."""
+    return overload._op

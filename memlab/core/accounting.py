@@ -22,6 +22,7 @@ from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
+from memlab.core.native.roles import native_pack
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
 from memlab.core.roles import Roles
@@ -78,6 +79,8 @@ class Accountant(Roles):
         self.labelled = 0
         self._sweep_queued = False
         self._mode: _Mode | None = None
+        #: What makes a saved tensor's alias (see `_pack`).
+        self._alias: Any = torch.Tensor.detach
         self.comms = Collectives(ledger, self._error)
         #: Serials of the storages the region's ops read.
         self.used: set[int] = set()
@@ -129,7 +132,11 @@ class Accountant(Roles):
         for handle in hooks:
             self._stack.callback(handle.remove)
         on = _torch.saved_tensors_hooks_on()
-        if on is not None and not isinstance(getattr(on[0], "__self__", None), Accountant):
+        if on is not None and on[0] is native_pack():
+            # a native region with a breakdown is open around this one: its op makes the
+            # aliases here too, so that it logs these savings as well
+            self._alias = on[0]
+        elif on is not None and not isinstance(getattr(on[0], "__self__", None), Accountant):
             # only the top pair applies: memlab's would replace the program's (say, offloading
             # activations with save_on_cpu), so the program's stay in force
             self.errors.append(
@@ -157,7 +164,9 @@ class Accountant(Roles):
                 st = storage_of(a)
                 if st is None:
                     for part in sparse_parts(a):  # a sparse tensor: its indices and values
-                        self.ledger.existing(part, part.untyped_storage())
+                        entry = self.ledger.existing(part, part.untyped_storage())
+                        if self.breakdown:
+                            self.used.add(entry.serial)
                     continue
                 entry = self.ledger.existing(a, st)
                 if self.breakdown:
@@ -225,7 +234,7 @@ class Accountant(Roles):
         # Returning ``t`` itself would tie a saved output to its own grad_fn in a cycle that
         # even gc cannot free; a detached alias saves the same storage without it, and its
         # death tells us when autograd lets the storage go.
-        packed = t.detach()
+        packed: torch.Tensor = self._alias(t)
         try:
             self.ledger.saved_by(t, packed)
         except Exception as e:

@@ -110,10 +110,19 @@ def thin(values: Sequence[int], limit: int = MAX_TIMELINE_POINTS) -> list[int]:
 def _timeline(tally: Tally, offset: int) -> Timeline | None:
     if tally.times is None or tally.totals is None or tally.phases is None:
         return None
+    names = Phase.NAMES.__getitem__
+    if len(tally.totals) <= MAX_TIMELINE_POINTS:  # every point: no index per point
+        totals = tally.totals if not offset else (v + offset for v in tally.totals)
+        return Timeline(
+            seconds=tuple(tally.times),
+            allocated=tuple(totals),
+            phases=tuple(map(names, tally.phases)),
+            source=TimelineSource.TENSOR_ACCOUNTING,
+        )
     keep = thin(tally.totals)
     return Timeline(
         seconds=tuple(tally.times[i] for i in keep),
         allocated=tuple(tally.totals[i] + offset for i in keep),
-        phases=tuple(Phase.NAMES[tally.phases[i]] for i in keep),
+        phases=tuple(names(tally.phases[i]) for i in keep),
         source=TimelineSource.TENSOR_ACCOUNTING,
     )

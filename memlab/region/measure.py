@@ -101,12 +101,13 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if needs_accounting:
                 self._ledger.resync()  # storages resized while no region was open
                 keep = self.breakdown or self.timeline
-                # totals on the CPU: the native record, no Python per op (an accountant only
-                # to learn what `watch` and `inputs` name, never installed)
-                native = not keep and self._native_eligible()
-                if not native or self._watch or self._inputs:
+                # on the CPU: the native record, no Python per op (without a breakdown, an
+                # accountant only to learn what `watch` and `inputs` name, never installed;
+                # with one, the record's own hooks learn roles: `since` needs the dispatch mode)
+                native = self._native_eligible() and not (keep and self._since)
+                if not native or (not keep and (self._watch or self._inputs)):
                     self._new_accountant()
-                if not (native and self._start_native()):
+                if not (native and self._start_native(keep)):
                     acc = self._accountant or self._new_accountant()
                     for target in self.targets:
                         self._recorders[target.name] = Recorder(
@@ -124,6 +125,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 cr.begin()
             if self._accountant is not None and self._native is None:
                 self._accountant.install()
+                for t in _alive(self._inputs):  # told again: the recorders listen now
+                    self._accountant.mark(t, Category.INPUT)
         except BaseException:
             self._state = "failed"
             self._teardown()
@@ -143,12 +146,14 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def _native_eligible(self) -> bool:
         return len(self.targets) == 1 and self.targets[0].name == "cpu" and eligible(self._ledger)
 
-    def _start_native(self) -> bool:
-        """Opens the native record (`memlab.core.native.eligible` said it can run);
-        False where it cannot start and the dispatch mode must measure."""
-        native = NativeRegion.open(self._ledger)
+    def _start_native(self, keep: bool) -> bool:
+        """Opens the native record (`memlab.core.native.eligible` said it can run), with a
+        breakdown and timeline where ``keep``; False where it cannot start and the dispatch
+        mode must measure."""
+        native = NativeRegion.open(self._ledger, keep, saved=self.breakdown)
         if native is None:
             return False
+        native.watched = self._watched
         warm_up()  # as the dispatch mode's install does: torch's one-time import, outside
         try:
             native.start()
@@ -156,6 +161,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             return False
         self._native = native
         self._recorders["cpu"] = native
+        if native.roles is not None:
+            for t in _alive(self._inputs):
+                native.roles.mark(t, Category.INPUT)
         return True
 
     def __exit__(
@@ -211,6 +219,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             raise RuntimeError("mark() works inside the region's `with` block.")
         if self._accountant is not None:
             self._accountant.mark(t, category)
+        elif self._native is not None and self._native.roles is not None:
+            self._native.roles.mark(t, category)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -222,6 +232,14 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         if name not in labels:
             raise ValueError(f"phase must be one of {', '.join(map(repr, labels))}, not {name!r}.")
         acc = self._accountant
+        roles = self._native.roles if self._native is not None else None
+        if roles is not None:  # the native record's hooks
+            outer = roles.label(Phase.NAMES.index(name))
+            try:
+                yield
+            finally:
+                roles.label(outer)
+            return
         if acc is None:  # no events are kept: nothing to label
             yield
             return

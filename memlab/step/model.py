@@ -17,6 +17,7 @@ from torch import nn
 from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
 from memlab.core.ledger import default_ledger, device_key
+from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
@@ -204,4 +205,6 @@ def allocated(device: torch.device) -> int:
     """What is allocated on ``device`` now (a series' point, in eval with outputs kept)."""
     if device.type == "cuda":
         return cuda.allocated(device)
+    if device.type == "cpu":  # a native region hands the ledger what it holds so far
+        hand_over_open()
     return default_ledger().total(str(device))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from memlab.core._torch_record import cxx11_abi
+from memlab.core.native.signatures import declare
 
 _SOURCE = Path(__file__).with_name("record.cpp")
 _lock = threading.Lock()
@@ -75,7 +76,11 @@ def library(wait: bool = True) -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                _lib = _declare(ctypes.CDLL(str(_build())))
+                path = str(_build())
+                _lib = declare(ctypes.CDLL(path))
+                from memlab.core.native import objects
+
+                objects.load(path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why = str(e) or type(e).__name__
             _tried = True
@@ -158,6 +163,12 @@ def _build() -> Path:
     abi = int(cxx11_abi())
     # the dispatch-key route where this PyTorch has the key it uses (see record.cpp)
     key = ["-DMN_MODE_KEY"] if has_mode_key(include) else []
+    # the breakdown where a tensor's Python object can be read from C++ (see mn_aliases)
+    key += (
+        ["-DMN_LOAD_PYOBJ"]
+        if _declares(include, "c10/core/impl/PyObjectSlot.h", "load_pyobj")
+        else []
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -203,6 +214,13 @@ def has_mode_key(include: Path) -> bool:
     return re.search(r"^\s*Fake,", text, re.MULTILINE) is not None
 
 
+def _declares(include: Path, header: str, name: str) -> bool:
+    try:
+        return name in (include / header).read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def route() -> str | None:
     """How the last native region followed ops: "dispatch key" (a C++ fallback at a dispatch
     mode's rank: one boxing per op), "RecordFunction" (a record per op and per op inside it),
@@ -210,39 +228,6 @@ def route() -> str | None:
     if _lib is None:
         return None
     return "dispatch key" if int(_lib.mn_route()) == 1 else "RecordFunction"
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
-    up, ipp = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_ssize_t)
-    lib.mn_version.restype = ctypes.c_int
-    lib.mn_begin.argtypes = [i64, i64]
-    lib.mn_begin.restype = ctypes.c_int
-    lib.mn_end.argtypes = []
-    lib.mn_end.restype = None
-    lib.mn_counts.argtypes = [i64p, i64]
-    lib.mn_counts.restype = None
-    lib.mn_sweep.argtypes = [up, i64, i64p, i64p, i64]
-    lib.mn_sweep.restype = None
-    lib.mn_survivors.argtypes = [ipp, i64p, i64]
-    lib.mn_survivors.restype = i64
-    lib.mn_reads.argtypes = [ipp, up, i64p, i64]
-    lib.mn_reads.restype = i64
-    lib.mn_resized.argtypes = [ctypes.c_size_t, ctypes.c_size_t, i64]
-    lib.mn_resized.restype = ctypes.c_int
-    lib.mn_release.argtypes = []
-    lib.mn_release.restype = None
-    lib.mn_follows.argtypes = [ctypes.c_size_t]
-    lib.mn_follows.restype = ctypes.c_int
-    lib.mn_uninstall.argtypes = [ctypes.c_int]
-    lib.mn_uninstall.restype = ctypes.c_int
-    lib.mn_route.argtypes = []
-    lib.mn_route.restype = ctypes.c_int
-    lib.mn_prefer_records.argtypes = [ctypes.c_int]
-    lib.mn_prefer_records.restype = None
-    if lib.mn_version() != 4:
-        raise RuntimeError("a memlab native library of another version was loaded")
-    return lib
 
 
 def uninstall(keep_fallback: bool = False) -> bool:

@@ -1,5 +1,6 @@
 """The native record's check of itself, once a process: a small training step measured natively
-and under the dispatch mode, each on a ledger of its own, must give the same figures.
+and under the dispatch mode, each on a ledger of its own, must give the same figures (and the
+same categories at the peak, at the end and at their highest, with a breakdown).
 
 The library is compiled against whichever PyTorch is installed; it is tested on this project's
 (2.13), and this check is what stands between another release's changed internals (which ops
@@ -18,7 +19,7 @@ import torch
 
 from memlab.core.accounting import Accountant
 from memlab.core.ledger import Ledger
-from memlab.core.recorder import Recorder
+from memlab.core.recorder import Recorder, Tally
 
 
 def _workload() -> Callable[[], Any]:
@@ -42,48 +43,59 @@ def _workload() -> Callable[[], Any]:
     return body
 
 
-def _native(lib: Any) -> tuple[int, int, int]:
+def _figures(tally: Tally) -> tuple[Any, ...]:
+    return (tally.before, tally.after, tally.peak, tally.at_peak, tally.at_end, tally.highest)
+
+
+def _native(lib: Any, keep: bool) -> tuple[Any, ...]:
     from memlab.core.native.region import NativeRegion
+    from memlab.core.native.roles import NativeRoles
 
     body = _workload()
-    region = NativeRegion(Ledger(), lib)
+    ledger = Ledger()
+    region = NativeRegion(ledger, lib, NativeRoles(ledger, lib) if keep else None)
     region.start()
     try:
         kept = body()
     finally:
         region.stop()
-    tally = region.tally(False)
+    tally = region.tally(keep)
     del kept
-    return (tally.before, tally.after, tally.peak)
+    return _figures(tally)
 
 
-def _dispatch() -> tuple[int, int, int]:
+def _dispatch(keep: bool) -> tuple[Any, ...]:
     body = _workload()
     ledger = Ledger()
-    acc = Accountant(ledger, False)
-    rec = Recorder(ledger, "cpu", False, acc.phase)
+    acc = Accountant(ledger, keep)
+    rec = Recorder(ledger, "cpu", keep, acc.phase)
     rec.start()
     acc.install()
     try:
         kept = body()
     finally:
         acc.uninstall()
+        acc.finish()
         rec.stop()
-    tally = rec.tally(False)
+    tally = rec.tally(keep, acc.used)
     del kept
-    return (tally.before, tally.after, tally.peak)
+    return _figures(tally)
 
 
 def self_check(lib: Any) -> str | None:
     """None where the native record and the dispatch mode agree on the check's step, else what
-    each measured (before, after, peak)."""
-    try:
-        native, dispatch = _native(lib), _dispatch()
-    except Exception as e:  # the record could not even run it
-        return f"its self-check failed ({type(e).__name__}: {e})"
-    if native != dispatch:
-        return (
-            f"its self-check disagreed with the dispatch mode on this PyTorch "
-            f"({torch.__version__}): before, after, peak {native} against {dispatch}"
-        )
+    each measured (before, after, peak; with a breakdown, the categories too)."""
+    for keep in (False, True):
+        try:  # (under the caller's no_grad or inference mode, the step's backward would fail)
+            with torch.inference_mode(False), torch.enable_grad():
+                native, dispatch = _native(lib, keep), _dispatch(keep)
+        except Exception as e:  # the record could not even run it
+            return f"its self-check failed ({type(e).__name__}: {e})"
+        if native != dispatch:
+            what = "with a breakdown: " if keep else ""
+            return (
+                f"its self-check disagreed with the dispatch mode on this PyTorch "
+                f"({torch.__version__}): {what}before, after, peak (and categories) {native} "
+                f"against {dispatch}"
+            )
     return None

@@ -11,12 +11,16 @@ from memlab.core.native.check import self_check
 
 
 def eligible(ledger: Ledger) -> bool:
-    """Whether a CPU region without breakdown or timeline can be measured natively here: the
-    library loads, the region uses the process's ledger, no dispatch mode is active (memlab's
-    own or the program's: fake tensors and the like are counted as the dispatch mode counts
-    them), compiled functions can be made to run eagerly (as under a dispatch mode), and no
-    process group is up (collectives are followed by the dispatch mode's accounting only)."""
-    if ledger is not default_ledger() or dispatch_modes_on() or not enabled():
+    """Whether a CPU region can be measured natively here: the library loads, the region uses
+    the process's ledger and nothing else listens to it (the pre-flight's replay of each
+    allocation, stamped with its cell line, hears ops only under the dispatch mode), no
+    dispatch mode is active (memlab's own or the program's: fake tensors and the like are
+    counted as the dispatch mode counts them), compiled functions can be made to run eagerly
+    (as under a dispatch mode), and no process group is up (collectives are followed by the
+    dispatch mode's accounting only)."""
+    if ledger is not default_ledger() or ledger._listeners or dispatch_modes_on():
+        return False
+    if not enabled():
         return False
     if _dist_up():
         return False

@@ -33,6 +33,8 @@ class Frees:
         self.ledger = ledger
         self.first = first
         self.freed: dict[int, int] = {}  # address -> bytes
+        #: Address -> the role each of those had when freed (a breakdown's replay).
+        self.freed_role: dict[int, Category | None] = {}
         self.unplaced = 0
         self.discovered = 0
         #: Serials of storages found during the region (counted in `before` as older memory),
@@ -45,6 +47,7 @@ class Frees:
             entry = self.ledger._by_serial.get(serial)
             if entry is not None and entry.ptr:
                 self.freed[entry.ptr] = nbytes
+                self.freed_role[entry.ptr] = category
             else:  # from before the wrapper: no place in its log (counted at the end)
                 self.unplaced += nbytes
 

@@ -14,6 +14,13 @@
 // What no op returns (a Python number wrapped as a tensor, a kernel's scratch buffer) is logged
 // by the allocator but never marked, so the figures are those of tensor accounting.
 //
+// With a breakdown or a timeline (`keep`), it also logs each event's time and phase (a backward
+// found here, the rest told by memlab's hooks through mn_py_phase), each saving for backward
+// and its end (memlab's saved-tensor hook is this library's op memlab::saved: an alias that
+// logs when autograd lets it go), the leaves that require grad (their gradients are named at
+// the end of each backward), and the roles memlab's hooks give (mn_mark). At the end, mn_tally
+// replays the region's events with each storage's role, in one pass.
+//
 // One region at a time, process-wide (mn_begin answers 1 when one is open). The wrapper stays
 // installed from the first region on (so that frees of tensors made between regions are seen
 // in order) until mn_uninstall, which puts PyTorch's allocator back; blocks it handed out keep
@@ -30,8 +37,22 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
 
 #include <pthread.h>
+#include <time.h>
+
+#include <algorithm>
+
+// The phase the Python side says the program is in (memlab.core.recorder.Phase: forward,
+// optimizer, a label, other); a backward is found here (see phase_now). Written by its hooks.
+extern "C" {
+int mn_py_phase = 0;
+}
 
 #include <cstdint>
 #include <cstring>
@@ -89,6 +110,11 @@ bool installed = false;
 uint64_t region = 0;  // the open region's number; 0 when none is open
 uint64_t regions = 0;
 int64_t seq = 0;
+// With a breakdown (`keep`): each event's time (CLOCK_MONOTONIC, ns: perf_counter's clock) and
+// phase, by sequence number.
+bool keep = false;
+std::vector<int64_t>& ev_ns = *new std::vector<int64_t>();
+std::vector<int8_t>& ev_phase = *new std::vector<int8_t>();
 std::vector<Alloc>& allocs = *new std::vector<Alloc>();
 std::vector<Freed>& earlier_frees = *new std::vector<Freed>();  // of blocks from before
 std::vector<Read>& reads = *new std::vector<Read>();
@@ -113,15 +139,53 @@ struct Move {
   int64_t seq;        // the new block's allocation
   int64_t size;       // the old size
   uintptr_t old_ptr;  // the old block (its free, if the ledger reports it, is this Move's)
+  c10::StorageImpl* storage;  // the storage that moved (weakly held elsewhere)
 };
 std::vector<Move>& moves = *new std::vector<Move>();
 // The block of this region each storage an op returned lives in now (index in `allocs`).
 std::unordered_map<c10::StorageImpl*, size_t>& current =
     *new std::unordered_map<c10::StorageImpl*, size_t>();
+// With a breakdown: the storages from before the region it touched (read, saved for backward,
+// given a role), each weakly held by one of the sets that met it: its block and size when
+// first met, and whether an op read it (an input, where nothing else names its role).
+struct Older {
+  uintptr_t ptr;
+  int64_t size;
+  bool read;
+  c10::TensorImpl* reader = nullptr;  // the tensor an op first read it through (weakly held)
+};
+// The storages from before the region first read by the op being looked at (see `readers`).
+std::vector<c10::StorageImpl*>& fresh_older = *new std::vector<c10::StorageImpl*>();
+std::unordered_map<c10::StorageImpl*, Older>& older =
+    *new std::unordered_map<c10::StorageImpl*, Older>();
+// The order `mn_older` handed them out in (the roles the caller gives back follow it).
+std::vector<c10::StorageImpl*>& older_order = *new std::vector<c10::StorageImpl*>();
+// With a breakdown: storages adopted in this region (see Alloc), which are the region's.
+std::unordered_set<c10::StorageImpl*>& adopted_keys = *new std::unordered_set<c10::StorageImpl*>();
 // Adopted storages not of the wrapper's memory, alive when last looked at (indexes in
 // `allocs`): their free cannot be seen, so each op looks whether they died since (a
 // DataLoader's batches in shared memory come and go; few are alive at once).
 std::vector<size_t>& adopted_alive = *new std::vector<size_t>();
+
+constexpr int8_t kBackward = 2;  // Phase.BACKWARD
+
+int8_t phase_now() {
+  if (torch::autograd::get_current_node() != nullptr) {
+    return kBackward;  // an op of a backward function, on the engine's thread
+  }
+  return static_cast<int8_t>(mn_py_phase);
+}
+
+// The next event's sequence number; with a breakdown, its time and phase are logged. Under `mu`.
+int64_t stamp() {
+  if (keep) {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ev_ns.push_back(static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec);
+    ev_phase.push_back(phase_now());
+  }
+  return seq++;
+}
 
 // The adopted storages that died since the last look: freed here in the order. Under `mu`.
 void look_at_adopted() {
@@ -129,7 +193,7 @@ void look_at_adopted() {
   for (size_t i : adopted_alive) {
     Alloc& a = allocs[i];
     if (c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
-      a.free_seq = seq++;
+      a.free_seq = stamp();
     } else {
       adopted_alive[kept++] = i;
     }
@@ -169,9 +233,9 @@ void counted_free(void* p) {
       free_fn = b.free_fn;
       if (region != 0) {
         if (b.region == region) {
-          allocs[b.index].free_seq = seq++;
+          allocs[b.index].free_seq = stamp();
         } else if (earlier_frees.size() < static_cast<size_t>(limit)) {
-          earlier_frees.push_back({it->first, b.size, seq++});
+          earlier_frees.push_back({it->first, b.size, stamp()});
         } else {
           overflow = true;
         }
@@ -204,7 +268,7 @@ struct Wrapper final : c10::Allocator {
           b.region = region;
           b.index = static_cast<int64_t>(allocs.size());
           allocs.push_back(
-              {key, static_cast<int64_t>(n), seq++, -1, nullptr, false, false, false});
+              {key, static_cast<int64_t>(n), stamp(), -1, nullptr, false, false, false});
         } else {
           overflow = true;
         }
@@ -348,14 +412,21 @@ int parent_frame() {  // an int: plain char is unsigned on some machines
 // then freed through the wrapper, which takes `mu`.
 std::vector<c10::StorageImpl*>& to_release = *new std::vector<c10::StorageImpl*>();
 
+std::vector<c10::TensorImpl*>& to_release_impls = *new std::vector<c10::TensorImpl*>();
+
 void release_deferred() {  // never under `mu`
   std::vector<c10::StorageImpl*> now;
+  std::vector<c10::TensorImpl*> impls;
   {
     std::lock_guard<std::mutex> g(mu);
     now.swap(to_release);
+    impls.swap(to_release_impls);
   }
   for (c10::StorageImpl* s : now) {
     c10::raw::weak_intrusive_ptr::decref(s);
+  }
+  for (c10::TensorImpl* t : impls) {
+    c10::raw::weak_intrusive_ptr::decref(t);
   }
 }
 
@@ -381,6 +452,13 @@ void read_storage(c10::StorageImpl* s) {
   const auto nbytes = static_cast<int64_t>(s->nbytes());
   if (reported.count(s) != 0) {  // the ledger has it: only its block, should an op move it
     reported_reads.emplace(s, std::make_pair(key, nbytes));
+    if (keep) {
+      auto o = older.emplace(s, Older{key, nbytes, true});
+      o.first->second.read = true;
+      if (o.first->second.reader == nullptr) {
+        fresh_older.push_back(s);
+      }
+    }
     return;
   }
   auto it = live.find(key);
@@ -390,6 +468,13 @@ void read_storage(c10::StorageImpl* s) {
   }
   // older memory; or a block of this region no op the record saw returned (made by another
   // thread, or the data `torch.tensor` is about to lift): read, unless an op returns it later
+  if (keep) {
+    auto o = older.emplace(s, Older{key, nbytes, true});
+    o.first->second.read = true;
+    if (o.first->second.reader == nullptr) {
+      fresh_older.push_back(s);
+    }
+  }
   c10::raw::weak_intrusive_ptr::incref(s);
   read_index[s] = reads.size();
   reads.push_back({s, key, nbytes, false, false});
@@ -417,18 +502,19 @@ void returned_storage(c10::StorageImpl* s) {
     auto rr = reported_reads.find(s);
     if (cur != current.end()) {  // a storage of this region, grown again into this block
       Alloc& before = allocs[cur->second];
-      moves.push_back({a.seq, before.size, before.ptr});
+      moves.push_back({a.seq, before.size, before.ptr, s});
       before.superseded = true;
     } else if (r != read_index.end()) {
       Read& read = reads[r->second];
       if (read.ptr == key) {
         read.taken = true;  // its own block, read before an op returned it: the region's
+        older.erase(s);
       } else if (!read.moved) {  // an older storage, grown into this block
-        moves.push_back({a.seq, read.size, read.ptr});
+        moves.push_back({a.seq, read.size, read.ptr, s});
         read.moved = true;
       }
     } else if (rr != reported_reads.end() && rr->second.first != key) {
-      moves.push_back({a.seq, rr->second.second, rr->second.first});
+      moves.push_back({a.seq, rr->second.second, rr->second.first, s});
       reported_reads.erase(rr);
     }
     current[s] = index;
@@ -447,10 +533,260 @@ void returned_storage(c10::StorageImpl* s) {
   if (!older_block) {  // not the wrapper's: its free is looked for at each op
     adopted_alive.push_back(allocs.size());
   }
+  if (keep) {
+    adopted_keys.insert(s);
+  }
   allocs.push_back(
-      {key, static_cast<int64_t>(s->nbytes()), seq++, -1, s, true, older_block, false});
+      {key, static_cast<int64_t>(s->nbytes()), stamp(), -1, s, true, older_block, false});
   ++marked;
   seen(s);
+}
+
+// ---- the breakdown: roles, saved tensors, gradients (only while `keep`) --------------------
+
+// Whether a storage is this region's new memory (an op returned it in a block of this region,
+// or adopted it), rather than one from before it. Under `mu`.
+bool is_new(c10::StorageImpl* s) {
+  return older.count(s) == 0 && (current.count(s) != 0 || adopted_keys.count(s) != 0);
+}
+
+// A storage from before the region met by a role or a save (not an op's read). Under `mu`.
+void met_older(c10::StorageImpl* s) {
+  if (older.count(s) != 0) {
+    return;
+  }
+  const auto key = reinterpret_cast<uintptr_t>(s->data_ptr().get());
+  older.emplace(s, Older{key, static_cast<int64_t>(s->nbytes()), false});
+}
+
+// Storages the ledger holds with a lasting role (parameter, gradient, ...), by the code of it
+// when last told (weakly held; for the ledger the reported storages were handed to): a
+// breakdown sums those it did not move once, from the ledger, not one by one.
+std::unordered_map<c10::StorageImpl*, int>& sticky = *new std::unordered_map<c10::StorageImpl*, int>();
+
+// Roles given in the region, by storage (weakly held): codes of memlab.core.categories
+// (PRIORITY + 1; lower is stronger; 0 none).
+std::unordered_map<c10::StorageImpl*, int>& marks = *new std::unordered_map<c10::StorageImpl*, int>();
+
+void mark_storage(c10::StorageImpl* s, int code) {  // under `mu`
+  if (!is_cpu(s) || code <= 0 || s->data_ptr().get() == nullptr) {
+    return;
+  }
+  auto it = marks.find(s);
+  if (it == marks.end()) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+    marks.emplace(s, code);
+  } else if (code < it->second) {
+    it->second = code;
+  }
+  if (!is_new(s)) {
+    met_older(s);
+  }
+}
+
+// Saving for backward: +1 when autograd saves a tensor on the storage, -1 when it lets go.
+struct Save {
+  int64_t seq;
+  c10::StorageImpl* storage;  // weakly held in `save_keys`
+  int delta;
+};
+std::vector<Save>& saves = *new std::vector<Save>();
+std::unordered_set<c10::StorageImpl*>& save_keys = *new std::unordered_set<c10::StorageImpl*>();
+
+struct SavedAlias;
+// The aliases saved in this region that are alive: handed to the ledger at the end.
+std::unordered_set<SavedAlias*>& aliases = *new std::unordered_set<SavedAlias*>();
+
+void saved_event(c10::StorageImpl* s, int delta) {  // under `mu`, with a breakdown open
+  if (save_keys.insert(s).second) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+  }
+  if (!is_new(s)) {
+    met_older(s);
+  }
+  saves.push_back({stamp(), s, delta});
+}
+
+// What memlab's saved-tensor hook packs: an alias of the saved tensor (as detach() makes, no
+// autograd history, so a saved output does not hold itself) that logs when autograd lets it
+// go. Its storage is held by the alias itself until then.
+struct SavedAlias final : c10::TensorImpl {
+  SavedAlias(c10::Storage storage, c10::DispatchKeySet ks, caffe2::TypeMeta dtype)
+      : c10::TensorImpl(std::move(storage), ks, dtype) {}
+  static void copy_from(const c10::TensorImpl* src, SavedAlias* dest) {
+    copy_tensor_metadata(src, dest, src->version_counter(), false);
+  }
+  c10::StorageImpl* key = nullptr;  // its storage, where its saving is logged
+  // Its last strong reference went: released (where weak references remain) or deleted.
+  void release_resources() override {
+    gone();
+    c10::TensorImpl::release_resources();
+  }
+  ~SavedAlias() override {
+    gone();
+  }
+
+ private:
+  void gone() {  // its storage is still held here
+    if (key != nullptr) {
+      std::lock_guard<std::mutex> g(mu);
+      aliases.erase(this);
+      if (region != 0 && keep) {  // this region's, or an older one's the ledger took over
+        saved_event(key, -1);
+      }
+      key = nullptr;
+    }
+  }
+};
+
+at::Tensor saved_kernel(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (typeid(*impl) != typeid(c10::TensorImpl) || !impl->has_storage() ||
+      impl->layout() != c10::kStrided || !is_cpu(impl->unsafe_storage().unsafeGetStorageImpl())) {
+    return t.detach();  // a subclass, sparse, or not CPU memory: saved as the hook always did
+  }
+  auto alias = c10::make_intrusive<SavedAlias>(c10::Storage(impl->storage()), impl->key_set(),
+                                               impl->dtype());
+  SavedAlias::copy_from(impl, alias.get());
+  alias->set_autograd_meta(nullptr);
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (region != 0 && keep) {
+      c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
+      alias->key = s;
+      aliases.insert(alias.get());
+      saved_event(s, +1);
+    }
+  }
+  return at::Tensor(std::move(alias));
+}
+
+torch::Library* saved_lib = nullptr;
+torch::Library* saved_impl = nullptr;
+
+// The op memlab's pack hook calls (memlab::saved); 0 registered (now or before), 1 failed.
+int register_saved_op() {
+  if (saved_impl != nullptr) {
+    return 0;
+  }
+  try {
+    if (!c10::Dispatcher::singleton().findSchema({"memlab::saved", ""}).has_value()) {
+      saved_lib = new torch::Library(torch::Library::DEF, "memlab", std::nullopt, __FILE__, __LINE__);
+      saved_lib->def("saved(Tensor(a) self) -> Tensor(a)");
+    }
+    saved_impl = new torch::Library(torch::Library::IMPL, "memlab",
+                                    c10::DispatchKey::CompositeImplicitAutograd, __FILE__, __LINE__);
+    saved_impl->impl("saved", &saved_kernel);
+  } catch (...) {
+    return 1;
+  }
+  return 0;
+}
+
+// Leaves that require grad, met as an op's input or in a backward's graph (weakly held): their
+// gradients are named at the end of each backward and of the region.
+std::unordered_set<c10::TensorImpl*>& leaves = *new std::unordered_set<c10::TensorImpl*>();
+bool grads_queued = false;  // a callback at the end of the running backward is queued
+constexpr int kGradient = 5;  // Category.GRADIENT's code (PRIORITY + 1)
+
+void remember_leaf(c10::TensorImpl* impl) {  // under `mu`
+  if (leaves.insert(impl).second) {
+    c10::raw::weak_intrusive_ptr::incref(impl);
+  }
+}
+
+// An op's input (after read_storage met its storages): its leaves, and the tensors through
+// which storages from before the region were first read (a frozen parameter's type, which
+// only Python can tell, is looked at through them at the end). Under `mu`.
+void leaves_of_inputs(const c10::IValue& v) {
+  auto one = [](const at::Tensor& t) {
+    if (!t.defined()) {
+      return;
+    }
+    if (!fresh_older.empty() && t.unsafeGetTensorImpl()->has_storage()) {
+      c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+      auto o = older.find(s);
+      if (o != older.end() && o->second.reader == nullptr) {
+        c10::raw::weak_intrusive_ptr::incref(t.unsafeGetTensorImpl());
+        o->second.reader = t.unsafeGetTensorImpl();
+      }
+    }
+    if (t.requires_grad() && t.is_leaf()) {
+      remember_leaf(t.unsafeGetTensorImpl());
+    }
+  };
+  if (v.isTensor()) {
+    one(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      one(t);
+    }
+  }
+  fresh_older.clear();
+}
+
+void mark_grads() {  // under `mu`
+  for (c10::TensorImpl* impl : leaves) {
+    if (c10::raw::weak_intrusive_ptr::use_count(impl) == 0) {
+      continue;
+    }
+    const at::Tensor& g = impl->grad();
+    if (g.defined()) {
+      each_storage(g, [](c10::StorageImpl* s) { mark_storage(s, kGradient); });
+    }
+  }
+}
+
+void after_backward() {
+  std::lock_guard<std::mutex> g(mu);
+  grads_queued = false;
+  if (region != 0 && keep) {
+    mark_grads();
+  }
+}
+
+// The first op of a backward: the leaves its graph reaches, where the region met none as an
+// op's input (it runs only backward, and never saw the forward's inputs). Under `mu`; returns
+// whether a callback is to be queued.
+bool backward_begins() {
+  if (grads_queued) {
+    return false;
+  }
+  auto node = torch::autograd::get_current_node();
+  if (node == nullptr) {
+    return false;
+  }
+  grads_queued = true;
+  if (!leaves.empty()) {
+    return true;  // the region ran the forward: its leaves were met as inputs
+  }
+  std::vector<torch::autograd::Node*> todo{node.get()};
+  std::unordered_set<torch::autograd::Node*> met{node.get()};
+  while (!todo.empty()) {
+    torch::autograd::Node* n = todo.back();
+    todo.pop_back();
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) {
+      if (acc->variable.defined()) {
+        remember_leaf(acc->variable.unsafeGetTensorImpl());
+      }
+    }
+    for (const auto& e : n->next_edges()) {
+      torch::autograd::Node* next = e.function.get();
+      if (next != nullptr && met.insert(next).second) {
+        todo.push_back(next);
+      }
+    }
+  }
+  return true;
+}
+
+void queue_after_backward() {  // never under `mu` (the engine's lock is taken)
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback(&after_backward);
+  } catch (...) {
+    std::lock_guard<std::mutex> g(mu);
+    grads_queued = false;
+  }
 }
 
 // The RecordFunction route: an op read these storages.
@@ -470,7 +806,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (seen == 0 || seen == 3) {
     return nullptr;
   }
-  std::lock_guard<std::mutex> g(mu);
+  std::unique_lock<std::mutex> g(mu);
   if (region == 0) {
     return nullptr;
   }
@@ -492,9 +828,17 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       subclass = true;  // a tensor subclass's own Python code runs this op: the ops it calls
     }
     each_tensor(v, read_storage);
+    if (keep) {
+      leaves_of_inputs(v);
+    }
   }
   if (subclass) {  // are seen, as a dispatch mode above the subclass sees them
     running.back() = 1;
+  }
+  const bool queue = keep && backward_begins();
+  g.unlock();
+  if (queue) {
+    queue_after_backward();
   }
   return nullptr;
 }
@@ -546,6 +890,7 @@ const c10::FunctionSchema* lift_fresh = nullptr;
 void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const size_t n_in = &op.schema() == lift_fresh ? 0 : op.schema().arguments().size();
   uint64_t mine = 0;
+  bool queue = false;
   {
     std::lock_guard<std::mutex> g(mu);
     mine = route == 1 ? region : 0;
@@ -557,8 +902,15 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
     if (mine != 0 && n_in <= stack->size()) {
       for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n_in); it != stack->end(); ++it) {
         each_tensor(*it, read_storage);
+        if (keep) {
+          leaves_of_inputs(*it);
+        }
       }
+      queue = keep && backward_begins();
     }
+  }
+  if (queue) {
+    queue_after_backward();
   }
   {
     c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
@@ -632,6 +984,10 @@ void forget_reported() {
     to_release.push_back(s);
   }
   reported.clear();
+  for (auto& kv : sticky) {
+    to_release.push_back(kv.first);
+  }
+  sticky.clear();
 }
 
 void prune_reported() {
@@ -642,6 +998,14 @@ void prune_reported() {
     if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
       to_release.push_back(*it);
       it = reported.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = sticky.begin(); it != sticky.end();) {
+    if (c10::raw::weak_intrusive_ptr::use_count(it->first) == 0) {
+      to_release.push_back(it->first);
+      it = sticky.erase(it);
     } else {
       ++it;
     }
@@ -696,6 +1060,32 @@ void drop_weak_refs() {
   adopted_alive.clear();
   current.clear();
   resizes.clear();
+  for (auto& kv : marks) {
+    to_release.push_back(kv.first);
+  }
+  for (c10::StorageImpl* s : save_keys) {
+    to_release.push_back(s);
+  }
+  for (c10::TensorImpl* t : leaves) {
+    to_release_impls.push_back(t);
+  }
+  for (auto& kv : older) {
+    if (kv.second.reader != nullptr) {
+      to_release_impls.push_back(kv.second.reader);
+    }
+  }
+  fresh_older.clear();
+  marks.clear();
+  save_keys.clear();
+  leaves.clear();
+  saves.clear();
+  older.clear();
+  adopted_keys.clear();
+  aliases.clear();  // (those alive were handed to the ledger; each still logs when it goes)
+  older_order.clear();
+  ev_ns.clear();
+  ev_phase.clear();
+  grads_queued = false;
   marked = 0;
   seq = 0;
 }
@@ -705,7 +1095,7 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 4;
+  return 5;
 }
 
 #ifndef MN_MODE_KEY
@@ -726,12 +1116,17 @@ void mn_prefer_records(int yes) {
 // Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
 // 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
 // could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
-int begin_locked(int64_t max_events, int64_t ledger) {
+int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
   try {
     std::lock_guard<std::mutex> g(mu);
     if (region != 0 || held) {
       return 1;  // a region is open, or its record not yet read
     }
+#ifndef MN_LOAD_PYOBJ
+    if (keep_events != 0) {
+      return 5;  // no breakdown here: its saved aliases could not be handed to the ledger
+    }
+#endif
     if (!at::isRecordFunctionEnabled()) {
       return 3;
     }
@@ -753,6 +1148,7 @@ int begin_locked(int64_t max_events, int64_t ledger) {
     }
     prune_reported();
     limit = max_events > 0 ? max_events : limit;
+    keep = keep_events != 0;
     overflow = false;
     transformed = false;
     seq = 0;
@@ -787,8 +1183,8 @@ int begin_locked(int64_t max_events, int64_t ledger) {
   }
 }
 
-int mn_begin(int64_t max_events, int64_t ledger) {
-  const int code = begin_locked(max_events, ledger);
+int mn_begin(int64_t max_events, int64_t ledger, int keep_events) {
+  const int code = begin_locked(max_events, ledger, keep_events);
   release_deferred();
   return code;
 }
@@ -808,6 +1204,9 @@ void mn_end() {
   std::lock_guard<std::mutex> g(mu);
   if (!adopted_alive.empty()) {
     look_at_adopted();
+  }
+  if (keep) {
+    mark_grads();  // the gradients alive now
   }
   region = 0;
 }
@@ -982,7 +1381,7 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
       fresh->storage = owner;
       ++marked;
       // as the dispatch mode's ledger sees a resize: the old bytes leave as the new arrive
-      moves.push_back({fresh->seq, before->size, old_ptr});
+      moves.push_back({fresh->seq, before->size, old_ptr, owner});
       before->superseded = true;
       current[owner] = static_cast<size_t>(nb->second.index);
     }
@@ -1051,5 +1450,471 @@ int mn_uninstall(int keep_key) {
   const int code = uninstall_locked(keep_key);
   release_deferred();
   return code;
+}
+
+// ---- the breakdown's exports -----------------------------------------------------------------
+
+// Registers memlab::saved, the op memlab's saved-tensor hook calls: 0 done (now or before).
+int mn_saved_op() {
+  std::lock_guard<std::mutex> g(mu);
+  return register_saved_op();
+}
+
+// The open region's storage (a torch.UntypedStorage's _cdata) plays role `code` (see marks).
+// Also after mn_end, until the record is released: the roles read at the region's end.
+void mn_mark(intptr_t storage, int code) {
+  std::lock_guard<std::mutex> g(mu);
+  if (held && keep && storage != 0) {
+    mark_storage(reinterpret_cast<c10::StorageImpl*>(storage), code);
+  }
+}
+
+// The roles given in the region: a new weak reference to each storage, and its code. Returns
+// how many were written (at most cap).
+int64_t mn_marks(intptr_t* storages, int64_t* codes, int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t k = 0;
+  for (const auto& kv : marks) {
+    if (k >= cap) {
+      break;
+    }
+    if (c10::raw::weak_intrusive_ptr::use_count(kv.first) == 0) {
+      continue;  // (the ledger only keeps the roles of the living)
+    }
+    c10::raw::weak_intrusive_ptr::incref(kv.first);
+    storages[k] = reinterpret_cast<intptr_t>(kv.first);
+    codes[k] = kv.second;
+    ++k;
+  }
+  return k;
+}
+
+int64_t mn_marks_count() {  // of the living
+  std::lock_guard<std::mutex> g(mu);
+  int64_t n = 0;
+  for (const auto& kv : marks) {
+    n += c10::raw::weak_intrusive_ptr::use_count(kv.first) > 0 ? 1 : 0;
+  }
+  return n;
+}
+
+// The storages from before the region that it touched (see Older): a new weak reference to
+// each, its address and size when first met, whether an op read it, and the role it was given
+// here (0 none). Their order is the one `mn_tally` takes their roles in. Returns how many.
+int64_t mn_older(intptr_t* storages, uintptr_t* ptrs, int64_t* sizes, int64_t* read, int64_t* code,
+                 int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  older_order.clear();
+  std::unordered_set<c10::StorageImpl*> moved;
+  for (const Move& m : moves) {
+    moved.insert(m.storage);
+  }
+  int64_t k = 0;
+  for (const auto& kv : older) {
+    if (k >= cap) {
+      break;
+    }
+    auto st = sticky.find(kv.first);
+    if (st != sticky.end() && c10::raw::weak_intrusive_ptr::use_count(kv.first) > 0 &&
+        moved.count(kv.first) == 0) {
+      auto m = marks.find(kv.first);
+      if (m == marks.end() || m->second >= st->second) {
+        continue;  // its lasting role all through: summed from the ledger
+      }
+    }
+    c10::raw::weak_intrusive_ptr::incref(kv.first);
+    storages[k] = reinterpret_cast<intptr_t>(kv.first);
+    ptrs[k] = kv.second.ptr;
+    sizes[k] = kv.second.size;
+    read[k] = kv.second.read ? 1 : 0;
+    auto m = marks.find(kv.first);
+    code[k] = m != marks.end() ? m->second : 0;
+    older_order.push_back(kv.first);
+    ++k;
+  }
+  return k;
+}
+
+// The ledger holds this storage (a _cdata) with the lasting role `code` (see `sticky`).
+void mn_sticky(intptr_t storage, int code) {
+  std::lock_guard<std::mutex> g(mu);
+  auto* s = reinterpret_cast<c10::StorageImpl*>(storage);
+  if (s == nullptr || code <= 0) {
+    return;
+  }
+  auto it = sticky.find(s);
+  if (it == sticky.end()) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+    sticky.emplace(s, code);
+  } else if (code < it->second) {
+    it->second = code;
+  }
+}
+
+int64_t mn_older_count() {
+  std::lock_guard<std::mutex> g(mu);
+  return static_cast<int64_t>(older.size());
+}
+
+#ifdef MN_LOAD_PYOBJ
+// The Python objects of this region's saved aliases still alive (autograd holds them), handed
+// out once (a settling done again after a Ctrl-C does not count them twice). Called with the
+// GIL held (through ctypes.PyDLL), so none can die before the caller takes them.
+int64_t mn_aliases(intptr_t* objects, int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t k = 0;
+  for (SavedAlias* a : aliases) {
+    if (k >= cap) {
+      break;
+    }
+    PyObject* obj = a->pyobj_slot()->load_pyobj();
+    if (obj != nullptr) {
+      objects[k++] = reinterpret_cast<intptr_t>(obj);
+    }
+  }
+  aliases.clear();
+  return k;
+}
+#else
+int64_t mn_aliases(intptr_t*, int64_t) {
+  return 0;
+}
+#endif
+
+#ifdef MN_LOAD_PYOBJ
+// The Python objects of the leaves and of the tensors older storages were first read through,
+// whose storage has no lasting role yet (alive, with a Python object): only Python can tell a
+// parameter (a frozen one included) by its type. GIL held (ctypes.PyDLL), as for mn_aliases.
+int64_t mn_typed(intptr_t* objects, int64_t cap) {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t k = 0;
+  auto add = [&](c10::TensorImpl* impl) {
+    if (k >= cap || c10::raw::weak_intrusive_ptr::use_count(impl) == 0 || !impl->has_storage()) {
+      return;
+    }
+    if (sticky.count(impl->unsafe_storage().unsafeGetStorageImpl()) != 0) {
+      return;  // named before: the ledger holds its role
+    }
+    PyObject* obj = impl->pyobj_slot()->load_pyobj();
+    if (obj != nullptr) {
+      objects[k++] = reinterpret_cast<intptr_t>(obj);
+    }
+  };
+  for (c10::TensorImpl* impl : leaves) {
+    add(impl);
+  }
+  for (const auto& kv : older) {
+    if (kv.second.reader != nullptr && marks.count(kv.first) == 0) {
+      add(kv.second.reader);
+    }
+  }
+  return k;
+}
+#else
+int64_t mn_typed(intptr_t*, int64_t) {
+  return 0;
+}
+#endif
+
+int64_t mn_typed_count() {
+  std::lock_guard<std::mutex> g(mu);
+  int64_t n = static_cast<int64_t>(leaves.size());
+  for (const auto& kv : older) {
+    n += kv.second.reader != nullptr ? 1 : 0;
+  }
+  return n;
+}
+
+// The gradients of the leaves met so far, named now (an optimizer steps: one stepped inside
+// backward frees them before the backward ends).
+void mn_mark_grads() {
+  std::lock_guard<std::mutex> g(mu);
+  if (held && keep) {
+    mark_grads();
+  }
+}
+
+int64_t mn_alias_count() {
+  std::lock_guard<std::mutex> g(mu);
+  return static_cast<int64_t>(aliases.size());
+}
+
+namespace {
+constexpr int kCats = 12;  // codes 1..12 (memlab.core.categories.PRIORITY + 1)
+constexpr int kActivation = 9, kTemporary = 10, kOther = 11, kInput = 8;
+
+struct Ent {
+  int64_t size = 0;
+  int code = 0;     // its lasting role (0 none)
+  int saved = 0;    // how many saved aliases hold it now
+  bool predates = false;
+  bool freed = false;  // new in the region, and dead at its end
+  int role() const {
+    if (code != 0) {
+      return code;
+    }
+    if (saved > 0) {
+      return kActivation;
+    }
+    return (predates || !freed) ? kOther : kTemporary;
+  }
+};
+
+struct Ev {
+  int64_t seq;
+  int32_t ent;
+  int32_t kind;  // 0 bytes, 1 saved +-1
+  int64_t delta;
+};
+
+std::vector<int64_t>& pt_total = *new std::vector<int64_t>();
+std::vector<double>& pt_secs = *new std::vector<double>();
+std::vector<int8_t>& pt_phase = *new std::vector<int8_t>();
+}  // namespace
+
+// The region's figures and its categories (a breakdown): mn_sweep's events, each one's bytes
+// given to a storage, replayed in order with each storage's role. `known` as for mn_sweep,
+// with `known_codes` the role each of those storages had when freed; `codes` and `saved_end`
+// the roles and saved counts at the end of the storages `mn_older` handed out (in its order).
+// out (n_out of): mn_sweep's five figures. cats: 3 x 12 (at the peak, at the end, the highest
+// each reached), by code - 1, above nothing (the caller adds what the region never touched).
+// Returns the number of timeline points (one per event with bytes); mn_points hands them out.
+int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
+                 const int64_t* known_codes, const int64_t* codes, const int64_t* saved_end,
+                 int64_t n_older, int64_t t0_ns, int64_t* out, int64_t n_out, int64_t* cats) {
+  std::lock_guard<std::mutex> g(mu);
+  std::vector<Ent> ents;
+  std::unordered_map<c10::StorageImpl*, int32_t> by_storage;
+  std::unordered_map<uintptr_t, int32_t> by_ptr;  // storages from before, by block
+  auto ent_of = [&](c10::StorageImpl* s) -> int32_t {
+    auto it = by_storage.find(s);
+    if (it != by_storage.end()) {
+      return it->second;
+    }
+    const auto e = static_cast<int32_t>(ents.size());
+    ents.emplace_back();
+    by_storage.emplace(s, e);
+    return e;
+  };
+  // the storages from before, with the roles the caller read from the ledger
+  const int64_t given = std::min<int64_t>(n_older, static_cast<int64_t>(older_order.size()));
+  for (int64_t i = 0; i < given; ++i) {
+    c10::StorageImpl* s = older_order[i];
+    const int32_t e = ent_of(s);
+    const Older& o = older[s];
+    Ent& x = ents[e];
+    x.predates = true;
+    x.size = o.size;
+    x.code = static_cast<int>(codes[i]);
+    x.saved = static_cast<int>(saved_end[i]);
+    by_ptr.emplace(o.ptr, e);
+  }
+  std::unordered_map<uintptr_t, std::pair<int64_t, int>> wanted;  // address -> (bytes, code)
+  for (int64_t i = 0; i < n; ++i) {
+    wanted[known[i]] = {known_sizes[i], static_cast<int>(known_codes[i])};
+  }
+  auto ent_of_ptr = [&](uintptr_t ptr, int64_t size, int code) -> int32_t {
+    auto it = by_ptr.find(ptr);
+    if (it != by_ptr.end()) {
+      Ent& x = ents[it->second];
+      if (x.code == 0 || (code != 0 && code < x.code)) {
+        x.code = code != 0 ? code : x.code;
+      }
+      return it->second;
+    }
+    const auto e = static_cast<int32_t>(ents.size());
+    ents.emplace_back();
+    ents[e].predates = true;
+    ents[e].size = size;
+    ents[e].code = code;
+    by_ptr.emplace(ptr, e);
+    return e;
+  };
+  std::vector<Ev> evs;
+  evs.reserve(allocs.size() * 2 + saves.size() + earlier_frees.size());
+  int32_t resized_ent = -1;  // bytes of storages resized in place (no storage known here)
+  for (const auto& r : resizes) {
+    if (resized_ent < 0) {
+      resized_ent = static_cast<int32_t>(ents.size());
+      ents.emplace_back();
+      ents[resized_ent].predates = true;
+    }
+    evs.push_back({r.first, resized_ent, 0, r.second});
+  }
+  int64_t found = 0;
+  for (const Move& m : moves) {
+    auto w = wanted.find(m.old_ptr);
+    const int32_t e = ent_of(m.storage);
+    if (w != wanted.end()) {
+      ++found;
+      wanted.erase(w);
+    }
+    evs.push_back({m.seq, e, 0, -m.size});
+  }
+  std::unordered_map<uintptr_t, std::pair<int64_t, int32_t>> adopted;  // address -> bytes, ent
+  for (const Alloc& a : allocs) {
+    if (a.storage == nullptr) {
+      continue;
+    }
+    const int32_t e = ent_of(a.storage);
+    evs.push_back({a.seq, e, 0, a.size});
+    if (a.free_seq >= 0 && !a.superseded && !moved_out(a)) {
+      evs.push_back({a.free_seq, e, 0, -a.size});
+    }
+    if (a.older_block) {
+      adopted.emplace(a.ptr, std::make_pair(a.size, e));
+    }
+  }
+  for (auto& kv : by_storage) {  // new in the region: dead at its end is freed in it
+    Ent& x = ents[kv.second];
+    if (!x.predates) {
+      x.freed = c10::raw::weak_intrusive_ptr::use_count(kv.first) == 0;
+      auto m = marks.find(kv.first);
+      if (m != marks.end()) {
+        x.code = m->second;
+      }
+    }
+  }
+  for (const Freed& f : earlier_frees) {
+    auto w = wanted.find(f.ptr);
+    if (w != wanted.end()) {
+      const int32_t e = ent_of_ptr(f.ptr, w->second.first, w->second.second);
+      evs.push_back({f.seq, e, 0, -w->second.first});
+      wanted.erase(w);
+      ++found;
+      continue;
+    }
+    auto ad = adopted.find(f.ptr);
+    if (ad != adopted.end()) {
+      evs.push_back({f.seq, ad->second.second, 0, -ad->second.first});
+      adopted.erase(ad);
+    }
+  }
+  for (const Save& sv : saves) {
+    evs.push_back({sv.seq, ent_of(sv.storage), 1, sv.delta});
+  }
+  // known frees not found in the log: counted at the end (after every event)
+  const int64_t end_seq = seq + 1;
+  int64_t missing = 0;
+  for (const auto& kv : wanted) {
+    missing += kv.second.first;
+    evs.push_back({end_seq, ent_of_ptr(kv.first, kv.second.first, kv.second.second), 0,
+                   -kv.second.first});
+  }
+  int64_t unplaced = 0;
+  for (const Alloc& a : allocs) {
+    if (a.adopted && !a.older_block && a.free_seq < 0 &&
+        c10::raw::weak_intrusive_ptr::use_count(a.storage) == 0) {
+      unplaced += a.size;
+      evs.push_back({end_seq, ent_of(a.storage), 0, -a.size});
+    }
+  }
+  std::stable_sort(evs.begin(), evs.end(),
+                   [](const Ev& x, const Ev& y) { return x.seq < y.seq; });
+  // Walk back from the end to each storage's size and saved count at the start.
+  for (auto it = evs.rbegin(); it != evs.rend(); ++it) {
+    Ent& x = ents[it->ent];
+    if (it->kind == 1) {
+      x.saved -= static_cast<int>(it->delta);
+    } else if (!x.predates) {
+      // (a new storage starts at 0: nothing to undo; older ones start at their first size)
+    }
+  }
+  for (Ent& x : ents) {
+    if (x.saved < 0) {
+      x.saved = 0;  // a saving the ledger did not count (an alias it never held)
+    }
+    if (!x.predates) {
+      x.size = 0;
+    }
+  }
+  // older storages read by an op, not saved when the region began, with no other role: inputs
+  for (int64_t i = 0; i < given; ++i) {
+    Ent& x = ents[by_storage[older_order[i]]];
+    if (older[older_order[i]].read && x.code == 0 && x.saved == 0) {
+      x.code = kInput;
+    }
+  }
+  int64_t sums[kCats] = {}, best[kCats] = {}, highest[kCats] = {};
+  int64_t total = 0;
+  for (const Ent& x : ents) {
+    sums[x.role() - 1] += x.size;
+    total += x.size;
+  }
+  std::copy(sums, sums + kCats, best);
+  std::copy(sums, sums + kCats, highest);
+  const int64_t start = total;
+  int64_t best_total = total;
+  pt_total.clear();
+  pt_secs.clear();
+  pt_phase.clear();
+  double last = 0.0;
+  const size_t n_ev = evs.size();
+  for (size_t i = 0; i < n_ev;) {
+    const int64_t at = evs[i].seq;
+    bool bytes = false;
+    for (; i < n_ev && evs[i].seq == at; ++i) {
+      const Ev& ev = evs[i];
+      Ent& x = ents[ev.ent];
+      if (ev.kind == 0) {
+        bytes = true;
+        const int c = x.role() - 1;
+        sums[c] += ev.delta;
+        x.size += ev.delta;
+        total += ev.delta;
+        highest[c] = std::max(highest[c], sums[c]);
+      } else {
+        const int was = x.role() - 1;
+        x.saved += static_cast<int>(ev.delta);
+        const int now = x.role() - 1;
+        if (now != was) {
+          sums[was] -= x.size;
+          sums[now] += x.size;
+          highest[now] = std::max(highest[now], sums[now]);
+        }
+      }
+    }
+    if (!bytes) {
+      continue;
+    }
+    if (total > best_total) {
+      best_total = total;
+      std::copy(sums, sums + kCats, best);
+    }
+    const size_t k = static_cast<size_t>(at);
+    double secs = last;
+    int8_t phase = pt_phase.empty() ? 0 : pt_phase.back();
+    if (k < ev_ns.size()) {
+      secs = std::max(last, static_cast<double>(ev_ns[k] - t0_ns) * 1e-9);
+      phase = ev_phase[k];
+    }
+    last = secs;
+    pt_total.push_back(total - start);
+    pt_secs.push_back(secs);
+    pt_phase.push_back(phase);
+  }
+  for (int c = 0; c < kCats; ++c) {
+    cats[c] = best[c];
+    cats[kCats + c] = sums[c];
+    cats[2 * kCats + c] = highest[c];
+  }
+  const int64_t all[5] = {best_total - start, total - start, found, missing, unplaced};
+  for (int64_t i = 0; i < n_out && i < 5; ++i) {
+    out[i] = all[i];
+  }
+  return static_cast<int64_t>(pt_total.size());
+}
+
+// The timeline mn_tally made: the running total (above the start, plus `offset`), seconds since the origin, and
+// the phase, of each point (at most cap). Returns how many were written.
+int64_t mn_points(int64_t* totals, double* secs, int8_t* phases, int64_t cap, int64_t offset) {
+  std::lock_guard<std::mutex> g(mu);
+  const int64_t n = std::min<int64_t>(cap, static_cast<int64_t>(pt_total.size()));
+  for (int64_t i = 0; i < n; ++i) {
+    totals[i] = pt_total[i] + offset;
+  }
+  std::copy(pt_secs.begin(), pt_secs.begin() + n, secs);
+  std::copy(pt_phase.begin(), pt_phase.begin() + n, phases);
+  return n;
 }
 }

@@ -1,9 +1,11 @@
 """A region measured by the native record: tensor accounting's figures without Python per op.
 
 ``NativeRegion`` stands in for a `memlab.core.recorder.Recorder` (start, set_origin, stop,
-tally) where a region needs only totals on the CPU: no breakdown, no timeline. During the region
-nothing of memlab runs; the native library logs each allocation and free and which storages ops
-returned and read. At the end the region is settled in one pass ("categorised once per step"):
+tally) on the CPU. During the region no Python of memlab's runs per op; the native library logs
+each allocation and free and which storages ops returned and read. With a breakdown or a
+timeline (`memlab.core.native.roles`) a few hooks tell it roles and phases, and it logs each
+event's time and phase and what autograd saves. At the end the region is settled in one pass
+("categorised once per step"; the breakdown's replay: `memlab.core.native.breakdown`):
 
 * the storages ops returned that are still alive are registered in the ledger (new memory);
 * the storages ops read that predate the region and that the ledger did not follow are
@@ -20,8 +22,8 @@ is never too low), and the report says so.
 from __future__ import annotations
 
 import ctypes
-import time
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,11 +33,13 @@ from memlab.core._torch_record import (
     dispatch_modes_on,
     force_eager,
     restore_stance,
-    storage_from_weak,
 )
 from memlab.core.ledger import Ledger
-from memlab.core.native import library
+from memlab.core.native import breakdown, library
 from memlab.core.native.frees import ON_CPU, Frees
+from memlab.core.native.handover import reads, register_survivors, unplaced_notes
+from memlab.core.native.objects import saved_aliases
+from memlab.core.native.roles import NativeRoles, roles_for
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
 from memlab.core.storages import address_of, follow_addresses
@@ -70,9 +74,15 @@ class NativeRegion:
 
     device = _CPU
 
-    def __init__(self, ledger: Ledger, lib: Any) -> None:
+    def __init__(self, ledger: Ledger, lib: Any, roles: NativeRoles | None = None) -> None:
         self.ledger = ledger
         self._lib = lib
+        #: With a breakdown (and a timeline): the hooks that tell the record roles and phases.
+        self.roles = roles
+        #: What the region watches (`memlab.track`'s ``watch``), looked at at each end.
+        self.watched: Callable[[], Iterable[Any]] = tuple
+        self._t0 = 0.0
+        self._saved = True
         self._frees: Frees | None = None
         self._open = False
         self.before = 0
@@ -87,11 +97,15 @@ class NativeRegion:
         self._handed: dict[int, int] = {}
 
     @classmethod
-    def open(cls, ledger: Ledger) -> NativeRegion | None:
+    def open(cls, ledger: Ledger, keep: bool = False, saved: bool = True) -> NativeRegion | None:
+        """``keep``: with a timeline (and the categories); ``saved``: tag what autograd saves
+        (a breakdown's activations)."""
         lib = library()
         if lib is None:
             return None
-        return cls(ledger, lib)
+        region = cls(ledger, lib, roles_for(ledger, lib) if keep else None)
+        region._saved = saved
+        return region
 
     # -- the Recorder's lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +120,7 @@ class NativeRegion:
             resizing.__enter__()
             try:
                 self._stance = _eager()
-                code = self._lib.mn_begin(MAX_EVENTS, id(ledger))
+                code = self._lib.mn_begin(MAX_EVENTS, id(ledger), int(self.roles is not None))
                 if code != 0:
                     restore_stance(self._stance)
                     raise NativeNotStartedError(code)
@@ -120,6 +134,14 @@ class NativeRegion:
         self._open = True
         _OPEN[:] = [self]
         follow_addresses(self.ledger._entries.values())
+        if self.roles is not None:
+            try:
+                self.roles.install(self._saved)
+                self.roles.watch(self.watched())
+            except BaseException:
+                self._close_record()
+                self._done(frees)
+                raise
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
@@ -131,7 +153,7 @@ class NativeRegion:
         self.ledger.resized(storage, before)  # one new to it: found at its old size
 
     def set_origin(self, t0: float) -> None:
-        pass
+        self._t0 = t0
 
     def stop(self) -> None:
         """Ends the record and settles the region; safe to call again after a Ctrl-C cut it
@@ -140,12 +162,7 @@ class NativeRegion:
         if frees is None or self._tally is not None:
             return
         if self._open:
-            self._open = False
-            self._lib.mn_end()
-            try:
-                restore_stance(self._stance)
-            finally:
-                self._resizing.__exit__(None, None, None)
+            self._close_record()
             if dispatch_modes_on():  # none was on when the region opened
                 left_on = _torch.dispatch_mode_stack()
                 names = ", ".join(type(m).__name__ for m in left_on)
@@ -158,6 +175,18 @@ class NativeRegion:
             self._done(frees)
             raise
         self._done(frees)
+
+    def _close_record(self) -> None:
+        self._open = False
+        try:
+            if self.roles is not None:
+                self.roles.uninstall()
+        finally:
+            self._lib.mn_end()
+            try:
+                restore_stance(self._stance)
+            finally:
+                self._resizing.__exit__(None, None, None)
 
     def _done(self, frees: Frees) -> None:
         if _OPEN and _OPEN[0] is self:
@@ -178,16 +207,22 @@ class NativeRegion:
         n_reads, n_alive = _COUNTS[3], _COUNTS[5]
         with ledger._lock:
             ledger.settle()
-            for storage, ptr, size in _reads(lib, n_reads):
+            for storage, ptr, size in reads(lib, n_reads):
                 if storage is not None and not ledger.knows(storage):
                     ledger.existing(ON_CPU, storage, size)
                     self._handed[ptr] = size
-            _register_survivors(lib, ledger, n_alive)
+            register_survivors(lib, ledger, n_alive)
+            if self.roles is not None:  # what autograd holds saved, as the ledger sees it
+                for alias in saved_aliases(int(lib.mn_alias_count())):
+                    ledger.saved_by(alias, alias)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
-        if self._tally is None:
+        tally = self._tally
+        if tally is None:
             raise RuntimeError("the native record's region was not closed")
-        return self._tally
+        if not breakdown and tally.at_peak is not None:  # a timeline alone
+            return dataclasses.replace(tally, at_peak=None, at_end=None, highest=None)
+        return tally
 
     # -- the one pass at the end --------------------------------------------------------------
     def _settle(self, lib: Any, frees: Frees) -> Tally:
@@ -211,7 +246,7 @@ class NativeRegion:
         dead_reads: dict[int, int] = {}
         with ledger._lock:
             ledger.settle()  # the region's frees of followed storages, heard by `frees`
-            for storage, ptr, size in _reads(lib, n_reads):
+            for storage, ptr, size in reads(lib, n_reads):
                 if storage is None:  # read, then freed in the region
                     if ptr in self._handed:  # counted in `before` when handed over
                         frees.freed.setdefault(ptr, size)
@@ -221,9 +256,20 @@ class NativeRegion:
                     # read (an op may have grown it since: the ledger hears that as the op's,
                     # when the storage is registered as a survivor below)
                     ledger.existing(ON_CPU, storage, size)
-            _register_survivors(lib, ledger, n_alive)
+            survivors = register_survivors(lib, ledger, n_alive)
             known = {**frees.freed, **dead_reads}
             n = len(known)
+            if self.roles is not None:
+                # the roles alive now, once what the region made is in the ledger (a watched
+                self.roles.watch(self.watched())  # tensor it made is not one from before it)
+                self.roles.finish()
+                self.notes.extend(e for e in self.roles.errors if e not in self.notes)
+                base = self.before + sum(dead_reads.values())
+                result, missing, unplaced = breakdown.tally(
+                    lib, ledger, frees, known, survivors, base, self._t0
+                )
+                self.notes += unplaced_notes(missing + frees.unplaced, unplaced)
+                return result
             if n:
                 addresses = (ctypes.c_size_t * n)(*known.keys())
                 nbytes = (ctypes.c_int64 * n)(*known.values())
@@ -235,45 +281,8 @@ class NativeRegion:
             missing += frees.unplaced
             after = ledger.total(_CPU)
         before = self.before + frees.discovered + sum(dead_reads.values())
-        if missing:
-            self.notes.append(
-                f"{missing:,} B freed here belonged to tensors made before memlab's native "
-                "record started; those frees are counted at the region's end, so the peak may "
-                "be higher than it was"
-            )
-        if unplaced:
-            self.notes.append(
-                f"{unplaced:,} B of memory from outside PyTorch's allocator (numpy arrays, "
-                "file mappings, shared memory) came and went inside the region; its free is "
-                "counted at the region's end, so the peak may be higher than it was"
-            )
+        self.notes += unplaced_notes(missing, unplaced)
         return Tally(before, after, before + high, None, None, None, None, None, None)
-
-
-def _reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, int]]:
-    """The storages the region's ops read that predate it (at most ``n``): each one (None where
-    it died since), its address and its size when read."""
-    if not n:
-        return
-    weak = (ctypes.c_ssize_t * n)()
-    ptrs = (ctypes.c_size_t * n)()
-    sizes = (ctypes.c_int64 * n)()
-    for i in range(lib.mn_reads(weak, ptrs, sizes, n)):
-        yield storage_from_weak(weak[i]), ptrs[i], sizes[i]
-
-
-def _register_survivors(lib: Any, ledger: Ledger, n: int) -> None:
-    """The storages the region's ops returned that are alive (at most ``n``) into the ledger:
-    new memory, or grown."""
-    if not n:
-        return
-    weak = (ctypes.c_ssize_t * n)()
-    sizes = (ctypes.c_int64 * n)()
-    when = time.perf_counter()
-    for i in range(lib.mn_survivors(weak, sizes, n)):
-        storage = storage_from_weak(weak[i])
-        if storage is not None:
-            ledger.produced(ON_CPU, storage, when)
 
 
 def _eager() -> Any:

@@ -1,0 +1,61 @@
+"""What a native region hands the ledger from the record: the storages its ops read that
+predate it, and the storages its ops returned that are alive."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from memlab.core._torch_record import storage_from_weak
+from memlab.core.ledger import Entry, Ledger
+from memlab.core.native.frees import ON_CPU
+
+
+def reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, int]]:
+    """The storages the region's ops read that predate it (at most ``n``): each one (None where
+    it died since), its address and its size when read."""
+    if not n:
+        return
+    weak = (ctypes.c_ssize_t * n)()
+    ptrs = (ctypes.c_size_t * n)()
+    sizes = (ctypes.c_int64 * n)()
+    for i in range(lib.mn_reads(weak, ptrs, sizes, n)):
+        yield storage_from_weak(weak[i]), ptrs[i], sizes[i]
+
+
+def register_survivors(lib: Any, ledger: Ledger, n: int) -> list[Entry]:
+    """The storages the region's ops returned that are alive (at most ``n``) into the ledger:
+    new memory, or grown. Returns their entries."""
+    if not n:
+        return []
+    weak = (ctypes.c_ssize_t * n)()
+    sizes = (ctypes.c_int64 * n)()
+    when = time.perf_counter()
+    entries = []
+    for i in range(lib.mn_survivors(weak, sizes, n)):
+        storage = storage_from_weak(weak[i])
+        if storage is not None:
+            entries.append(ledger.produced(ON_CPU, storage, when))
+    return entries
+
+
+def unplaced_notes(missing: int, unplaced: int) -> list[str]:
+    """What the report says of frees the record could not place in its order."""
+    notes = []
+    if missing:
+        notes.append(
+            f"{missing:,} B freed here belonged to tensors made before memlab's native "
+            "record started; those frees are counted at the region's end, so the peak may "
+            "be higher than it was"
+        )
+    if unplaced:
+        notes.append(
+            f"{unplaced:,} B of memory from outside PyTorch's allocator (numpy arrays, "
+            "file mappings, shared memory) came and went inside the region; its free is "
+            "counted at the region's end, so the peak may be higher than it was"
+        )
+    return notes

@@ -1,0 +1,43 @@
+"""Python objects the native record hands out: the saved aliases autograd still holds, and the
+tensors whose type only Python can tell (a parameter). Read through ``ctypes.PyDLL``, which
+keeps the GIL held during the call, so none of the objects can die before it is taken."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+_ALIASES: list[Any] = []
+
+
+def load(path: str) -> None:
+    """Loads the library a second time through ctypes.PyDLL (the GIL held during calls)."""
+    pylib = ctypes.PyDLL(path)
+    fns = []
+    for name in ("mn_aliases", "mn_typed"):
+        fn = getattr(pylib, name)
+        fn.argtypes = [ctypes.POINTER(ctypes.c_ssize_t), ctypes.c_int64]
+        fn.restype = ctypes.c_int64
+        fns.append(fn)
+    _ALIASES[:] = fns
+
+
+def _objects(which: int, cap: int) -> list[Any]:
+    # (through ctypes.PyDLL: the GIL is held throughout, so none of them dies meanwhile)
+    if not _ALIASES or cap <= 0:
+        return []
+    out = (ctypes.c_ssize_t * cap)()
+    n = _ALIASES[which](out, cap)
+    return [ctypes.cast(out[i], ctypes.py_object).value for i in range(n)]
+
+
+def saved_aliases(cap: int) -> list[Any]:
+    """The Python objects of the open (or last) region's saved aliases that autograd still
+    holds (at most ``cap``; handed out once)."""
+    return _objects(0, cap)
+
+
+def typed_tensors(cap: int) -> list[Any]:
+    """The Python objects of the region's leaves and of the tensors older storages were first
+    read through, where their storage has no lasting role yet (at most ``cap``)."""
+    return _objects(1, cap)

@@ -1,0 +1,261 @@
+"""The roles of a native region with a breakdown: what Python still has to say, said cheaply.
+
+The native record follows ops, allocations, saved tensors and gradients in C++. Python tells it
+what only Python knows, through hooks that do little per call:
+
+* the phase (forward inside a module, the optimizer's step, a label the front end set): one
+  integer written into the library at each module and optimizer hook (a backward is found in
+  C++);
+* parameters and buffers, at each module call, told once per storage: a storage the ledger
+  follows keeps its lasting role there, so the caches here live as long as the process (per
+  ledger), not one region;
+* saved tensors: the pack hook is the library's own op (``memlab::saved``, called without a
+  Python frame), which logs the saving and returns an alias that logs when autograd lets it go;
+* the optimizers stepped, whose state is named at the region's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import weakref
+from typing import Any
+
+import torch
+
+from memlab.core import _torch
+from memlab.core._torch_record import GlobalHooks, raw_op, storage_address
+from memlab.core.categories import PRIORITY, STICKY, Category
+from memlab.core.ledger import Ledger, storage_of
+from memlab.core.native.objects import typed_tensors
+from memlab.core.recorder import Phase
+from memlab.core.roles import Roles
+
+#: A category's code in the library: its priority + 1 (lower is stronger; 0 none).
+CODE: dict[Category, int] = {c: p + 1 for c, p in PRIORITY.items()}
+CATEGORY: dict[int, Category] = {code: c for c, code in CODE.items()}
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+#: The library's op memlab's native saved-tensor hook calls, once registered.
+_PACK: list[Any] = []
+
+
+def native_pack() -> Any:
+    """The native regions' pack hook (None before the first): a dispatch-mode region nested
+    in one knows it for memlab's own."""
+    return _PACK[0] if _PACK else None
+
+
+class NativeRoles(Roles):
+    """One per ledger and process (`roles_for`); installed for each native breakdown region."""
+
+    def __init__(self, ledger: Ledger, lib: Any) -> None:
+        self.ledger = ledger
+        self.lib = lib
+        self.errors: list[str] = []
+        self._leaves = torch.utils.weak.WeakIdKeyDictionary()
+        self._leaf_refs = {}
+        self._marked = {}
+        self._optimizers = weakref.WeakSet()  # (the base class's: `watch` of an optimizer)
+        #: The optimizers stepped in the open region (held until its end, then let go).
+        self._stepped: list[torch.optim.Optimizer] = []
+        #: Per optimizer: the identities of its parameters and state tensors when last named.
+        self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._module_depth = 0
+        self._optimizer_depth = 0
+        self.labelled = 0
+        self._cell = ctypes.c_int.in_dll(lib, "mn_py_phase")
+        self._stack = contextlib.ExitStack()
+        self._pack: Any = None
+        self._open = False
+        self._hooks = GlobalHooks(
+            self._module_pre, self._module_post, self._optimizer_pre, self._optimizer_post
+        )
+
+    # -- install / uninstall ------------------------------------------------------------------
+    def install(self, saved: bool = True) -> None:
+        """Hooks in (``saved``: the saved-tensor hook too, for a breakdown's activations); on
+        any failure, what was done is undone and the error raised."""
+        self.errors = []
+        self._module_depth = self._optimizer_depth = self.labelled = 0
+        self._stepped.clear()
+        self._set_phase()
+        stack = self._stack
+        try:
+            stack.callback(self._hooks.remove)
+            self._hooks.install()
+            if saved:
+                self._push_pack(stack)
+        except BaseException:
+            stack.close()
+            raise
+        self._open = True
+
+    def _push_pack(self, stack: contextlib.ExitStack) -> None:
+        on = _torch.saved_tensors_hooks_on()
+        if on is not None:  # only the top pair applies: the program's own stay in force
+            self.errors.append(
+                "activations not tagged: the program's own saved_tensors_hooks are in force"
+            )
+            return
+        if self._pack is None:
+            if int(self.lib.mn_saved_op()) != 0:
+                self.errors.append("activations not tagged: memlab's op could not be registered")
+                return
+            self._pack = raw_op(torch.ops.memlab.saved.default)
+            _PACK[:] = [self._pack]
+        try:
+            _torch.push_saved_tensors_hooks(self._pack, _unpack)
+        except RuntimeError as e:  # saved-tensor hooks disabled by the program (e.g. FSDP)
+            self.errors.append(f"activations not tagged: {e}")
+            return
+        stack.callback(self._remove_pack)
+
+    def _remove_pack(self) -> None:
+        if not _torch.remove_saved_tensors_hooks(self._pack):
+            self.errors.append("memlab's saved_tensors_hooks were removed by other code")
+
+    def uninstall(self) -> None:
+        self._open = False
+        try:
+            self._stack.close()
+        finally:
+            self._cell.value = Phase.OTHER
+
+    # -- the phase ------------------------------------------------------------------------------
+    def _set_phase(self) -> None:
+        if self._optimizer_depth:
+            phase = Phase.OPTIMIZER
+        elif self.labelled:
+            phase = self.labelled
+        elif self._module_depth:
+            phase = Phase.FORWARD
+        else:
+            phase = Phase.OTHER
+        self._cell.value = phase
+
+    def label(self, code: int) -> int:
+        """Sets the front end's label (`memlab.track.phase`); returns the one it replaces."""
+        outer, self.labelled = self.labelled, code
+        self._set_phase()
+        return outer
+
+    # -- roles ---------------------------------------------------------------------------------
+    def mark(self, t: torch.Tensor, category: Category) -> None:
+        storage = storage_of(t)
+        if storage is None:
+            return
+        sticky = category in STICKY
+        key = (id(storage), category)
+        if sticky:  # told once a process: the ledger keeps it, or the region hands it over
+            told = self._marked.get(key)
+            if told is not None and told() is storage:
+                return
+        if sticky and self.ledger.knows(storage):
+            self.ledger.classify(t, category, storage)
+            self.lib.mn_sticky(storage_address(storage), CODE[category])
+        self.lib.mn_mark(storage_address(storage), CODE[category])
+        if sticky:
+            self._marked[key] = weakref.ref(storage)
+
+    def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
+        # per process: a parameter whose tensor and memory are the ones named before is done
+        seen = self._leaf_refs.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t.data_ptr():
+            return
+        self._leaf_refs[id(t)] = (weakref.ref(t), t.data_ptr())
+        if isinstance(t, torch.nn.Parameter):
+            self.mark(t, Category.PARAMETER)
+
+    def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._module_depth += 1
+        if self._module_depth == 1:
+            self._set_phase()
+        try:
+            refs = self._leaf_refs
+            for p in module._parameters.values():
+                if p is not None:
+                    seen = refs.get(id(p))  # (`_remember_leaf`'s test, inline: per call)
+                    if seen is None or seen[0]() is not p or seen[1] != p.data_ptr():
+                        self._remember_leaf(p)
+            if module._buffers:
+                for b in module._buffers.values():
+                    if b is not None:
+                        self.mark(b, Category.BUFFER)
+        except Exception as e:  # never break the user's forward for our bookkeeping
+            self._error(e, "a module's roles not read")
+
+    def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        depth = self._module_depth = max(0, self._module_depth - 1)
+        if depth == 0:
+            self._set_phase()
+
+    def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        self._set_phase()
+        if not any(o is opt for o in self._stepped):
+            self._stepped.append(opt)
+        self.lib.mn_mark_grads()  # the gradients it reads (it may free them: zero_grad)
+
+    def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        self._set_phase()
+
+    def finish(self) -> None:
+        """At the region's end (the record still held): the parameters among the leaves and
+        the older tensors ops read (a frozen one, an EMA copy, a backward's leaves), and the
+        optimizers' parameters and state. (Gradients are named by the library, at the end of
+        each backward and of the region.)"""
+        for t in typed_tensors(int(self.lib.mn_typed_count())):
+            if isinstance(t, torch.nn.Parameter):
+                self.mark(t, Category.PARAMETER)
+        stepped, self._stepped = self._stepped, []
+        watched = list(self._optimizers)  # (named once by `watch`; their state may be new)
+        self._optimizers.clear()
+        for opt in (*stepped, *(o for o in watched if not any(o is s for s in stepped))):
+            try:
+                self._name_optimizer(opt)
+            except Exception as e:
+                self._error(e, "an optimizer's roles not read")
+
+    def _name_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        # Named again where its groups or its state changed (a state made at a first step,
+        # a state_dict loaded: a new dict): the tensors of a state change in place.
+        groups, state = opt.param_groups, opt.state
+        seen = (id(groups), len(groups), id(state), len(state), *(len(g["params"]) for g in groups))
+        if self._named.get(opt) == seen:
+            return
+        for group in groups:
+            for p in group["params"]:
+                self._remember_leaf(p)
+                self.mark(p, Category.PARAMETER)
+        for st in state.values():
+            for v in st.values() if isinstance(st, dict) else ():
+                if isinstance(v, torch.Tensor):
+                    self.mark(v, Category.OPTIMIZER_STATE)
+        self._named[opt] = seen
+
+    def _error(self, e: Exception, what: str) -> None:
+        if len(self.errors) < 5:
+            try:
+                said = f"{type(e).__name__}: {e}"
+            except Exception:
+                said = type(e).__name__
+            self.errors.append(f"{what} ({said})")
+
+
+_ROLES: weakref.WeakKeyDictionary[Ledger, NativeRoles] = weakref.WeakKeyDictionary()
+
+
+def roles_for(ledger: Ledger, lib: Any) -> NativeRoles:
+    """The ledger's roles (their caches last the process: see `NativeRoles.mark`)."""
+    roles = _ROLES.get(ledger)
+    if roles is None or roles.lib is not lib:
+        roles = _ROLES[ledger] = NativeRoles(ledger, lib)
+    return roles
