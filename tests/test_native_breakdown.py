@@ -23,6 +23,7 @@ import contextlib
 import gc
 import subprocess
 import sys
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ import memlab
 from memlab.core import ledger as ledger_module
 from memlab.core import native
 from memlab.core.categories import Category
+from memlab.core.ledger import default_ledger
 
 pytestmark = pytest.mark.skipif(
     native.unavailable() is not None, reason="needs the native record (a C++ compiler)"
@@ -774,3 +776,104 @@ def test_a_region_nested_in_a_native_breakdown_region_sees_its_activations(
     assert_same(fast_outer, slow_outer, "outer")
     assert fast_inner.notes == slow_inner.notes
     assert_same(fast_inner, slow_inner, "inner")
+
+
+# -- 9. what a review of the record found ---------------------------------------------------------
+
+
+def resized_parameter(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> Figures:
+    use(native_on, monkeypatch)
+    m = nn.Linear(256, 256)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        m(x)  # its parameters named, and known to the ledger
+    with torch.no_grad(), track() as t:
+        y = m(x)
+        m.weight.untyped_storage().resize_(0)  # as FSDP frees a parameter between uses
+    check_path(t, native_on)
+    del y
+    return figures_of(t)
+
+
+def test_a_parameter_resized_in_place_keeps_its_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, slow = resized_parameter(True, monkeypatch), resized_parameter(False, monkeypatch)
+    assert_same(fast, slow)
+    assert sum(fast.at_end.values()) == fast.after  # the rows add up to the total
+    assert fast.at_peak[Category.PARAMETER] == 256 * 256 * 4 + 256 * 4
+
+
+def backward_of_an_older_graph(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> Figures:
+    use(native_on, monkeypatch)
+    m = nn.Linear(128, 128)
+    loss = m(torch.randn(8, 128)).sum()  # the forward outside any region
+    other = torch.randn(16, requires_grad=True)
+    with track() as t:
+        (other * 2).sum()  # an op that reads a leaf of its own first
+        loss.backward()
+    check_path(t, native_on)
+    return figures_of(t)
+
+
+def test_a_backward_of_an_older_graph_names_its_gradients_after_another_leaf_was_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fast = backward_of_an_older_graph(True, monkeypatch)
+    slow = backward_of_an_older_graph(False, monkeypatch)
+    assert_same(fast, slow)
+    assert fast.at_end[Category.GRADIENT] == 128 * 128 * 4 + 128 * 4
+
+
+def test_a_region_nested_in_a_native_breakdown_region_counts_each_saving_once() -> None:
+    x = torch.randn(64, 256)
+    w = torch.randn(256, requires_grad=True)
+    with track() as outer:
+        with track() as inner:  # measured by the dispatch mode: the record is the outer's
+            y = x * w  # saves x (and w) with the record's op
+        z = y.sum()
+    assert outer._native is not None and inner._native is None
+    counts = [e.saved for e in default_ledger()._special.values() if e.saved]
+    assert counts and max(counts) == 1, counts  # each saving once in the ledger
+    assert outer.report.breakdown is not None
+    assert Category.INPUT in outer.report.breakdown.at_end  # x, read, saved during the region
+    del z, y
+
+
+def test_saved_aliases_held_by_garbage_cycles_are_handed_over_while_the_collector_runs() -> None:
+    """The aliases the record hands Python at the region's end each come with a reference of
+    their own: a collection between two of them (here at every allocation) frees none."""
+
+    class Holder:
+        pass
+
+    x = torch.randn(1000, requires_grad=True)
+    threshold = gc.get_threshold()
+    try:
+        gc.disable()
+        with track() as t:
+            for _ in range(20):  # graphs held only by garbage cycles
+                h = Holder()
+                h.me, h.out = h, x.exp().sin()
+                del h
+            gc.set_threshold(1)
+            gc.enable()
+        assert t._native is not None
+        assert (
+            t.report.breakdown is not None and t.report.allocated_after >= t.report.allocated_before
+        )
+    finally:
+        gc.set_threshold(*threshold)
+        gc.enable()
+    gc.collect()
+
+
+def test_a_ledger_let_go_is_freed_with_its_roles() -> None:
+    from memlab.core.native.roles import roles_for
+
+    lib = native.library()
+    assert lib is not None
+    ledger = ledger_module.Ledger()
+    roles_for(ledger, lib)
+    gone = weakref.ref(ledger)
+    del ledger
+    gc.collect()
+    assert gone() is None

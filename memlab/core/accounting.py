@@ -22,6 +22,7 @@ from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
+from memlab.core.native.objects import HANDED
 from memlab.core.native.roles import native_pack
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
@@ -30,6 +31,7 @@ from memlab.core.storages import op_tensors, sparse_parts
 from memlab.core.warmup import warm_up
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_DETACH = torch.Tensor.detach
 
 
 class _Mode(OwnedMode):
@@ -80,7 +82,7 @@ class Accountant(Roles):
         self._sweep_queued = False
         self._mode: _Mode | None = None
         #: What makes a saved tensor's alias (see `_pack`).
-        self._alias: Any = torch.Tensor.detach
+        self._alias: Any = _DETACH
         self.comms = Collectives(ledger, self._error)
         #: Serials of the storages the region's ops read.
         self.used: set[int] = set()
@@ -237,6 +239,8 @@ class Accountant(Roles):
         packed: torch.Tensor = self._alias(t)
         try:
             self.ledger.saved_by(t, packed)
+            if self._alias is not _DETACH:  # the native record's alias: the ledger has it
+                HANDED[packed] = True
         except Exception as e:
             self._error(e)
         return packed

@@ -17,7 +17,7 @@ from memlab.core._torch_record import storage_address, storage_from_weak
 from memlab.core.categories import STICKY, Category
 from memlab.core.ledger import Entry, Ledger
 from memlab.core.native.frees import ON_CPU, Frees
-from memlab.core.native.objects import saved_aliases
+from memlab.core.native.handover import hand_over_aliases
 from memlab.core.native.roles import CATEGORY, CODE
 from memlab.core.recorder import Tally
 
@@ -80,8 +80,7 @@ def tally(
                 ledger.classify(ON_CPU, category, storage)
                 lib.mn_sticky(storage_address(storage), CODE[category])
     # saved aliases autograd still holds: the ledger follows them from here
-    for alias in saved_aliases(int(lib.mn_alias_count())):
-        ledger.saved_by(alias, alias)
+    hand_over_aliases(lib, ledger)
     ledger.settle()
     # the storages from before the region that it touched: their roles, from the ledger
     n = int(lib.mn_older_count())

@@ -13,6 +13,7 @@ import torch
 from memlab.core._torch_record import storage_from_weak
 from memlab.core.ledger import Entry, Ledger
 from memlab.core.native.frees import ON_CPU
+from memlab.core.native.objects import HANDED, saved_aliases
 
 
 def reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, int]]:
@@ -59,3 +60,11 @@ def unplaced_notes(missing: int, unplaced: int) -> list[str]:
             "counted at the region's end, so the peak may be higher than it was"
         )
     return notes
+
+
+def hand_over_aliases(lib: Any, ledger: Ledger) -> None:
+    """The saved aliases of the region's that autograd still holds, to the ledger, which
+    follows them from here (each once: not those a nested region's accountant handed it)."""
+    for alias in saved_aliases(int(lib.mn_alias_count())):
+        if alias not in HANDED:
+            ledger.saved_by(alias, alias)

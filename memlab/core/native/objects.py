@@ -7,7 +7,12 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 _ALIASES: list[Any] = []
+_DECREF = ctypes.pythonapi.Py_DecRef
+_DECREF.argtypes = [ctypes.c_void_p]
+_DECREF.restype = None
 
 
 def load(path: str) -> None:
@@ -27,8 +32,12 @@ def _objects(which: int, cap: int) -> list[Any]:
     if not _ALIASES or cap <= 0:
         return []
     out = (ctypes.c_ssize_t * cap)()
-    n = _ALIASES[which](out, cap)
-    return [ctypes.cast(out[i], ctypes.py_object).value for i in range(n)]
+    n = _ALIASES[which](out, cap)  # each with a reference of its own, taken in the call
+    found = []
+    for i in range(n):
+        found.append(ctypes.cast(out[i], ctypes.py_object).value)
+        _DECREF(out[i])  # (the list holds it now)
+    return found
 
 
 def saved_aliases(cap: int) -> list[Any]:
@@ -41,3 +50,9 @@ def typed_tensors(cap: int) -> list[Any]:
     """The Python objects of the region's leaves and of the tensors older storages were first
     read through, where their storage has no lasting role yet (at most ``cap``)."""
     return _objects(1, cap)
+
+
+#: Saved aliases a dispatch-mode region nested in a native one made with the record's op and
+#: handed to the ledger itself: the native region does not hand them over again.
+#: (Keyed by identity: a tensor's == compares its elements.)
+HANDED = WeakIdKeyDictionary()

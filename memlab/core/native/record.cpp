@@ -40,6 +40,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -118,8 +119,15 @@ std::vector<int8_t>& ev_phase = *new std::vector<int8_t>();
 std::vector<Alloc>& allocs = *new std::vector<Alloc>();
 std::vector<Freed>& earlier_frees = *new std::vector<Freed>();  // of blocks from before
 std::vector<Read>& reads = *new std::vector<Read>();
-// (place in the order, bytes added)
-std::vector<std::pair<int64_t, int64_t>>& resizes = *new std::vector<std::pair<int64_t, int64_t>>();
+// A storage resized in place: its place in the order, the bytes added, and (with a breakdown)
+// the storage, weakly held in `resize_keys`.
+struct Resize {
+  int64_t seq;
+  int64_t added;
+  c10::StorageImpl* storage;
+};
+std::vector<Resize>& resizes = *new std::vector<Resize>();
+std::unordered_set<c10::StorageImpl*>& resize_keys = *new std::unordered_set<c10::StorageImpl*>();
 // Storages already looked at as an op's input in this region, or returned by one: a later read
 // of them costs one look-up. (Each is alive, or weakly held, for the region: no address reuse.)
 // Each one is weakly held while in here (so that its address is not reused in the region).
@@ -508,7 +516,13 @@ void returned_storage(c10::StorageImpl* s) {
       Read& read = reads[r->second];
       if (read.ptr == key) {
         read.taken = true;  // its own block, read before an op returned it: the region's
-        older.erase(s);
+        auto o = older.find(s);
+        if (o != older.end()) {
+          if (o->second.reader != nullptr) {
+            to_release_impls.push_back(o->second.reader);
+          }
+          older.erase(o);
+        }
       } else if (!read.moved) {  // an older storage, grown into this block
         moves.push_back({a.seq, read.size, read.ptr, s});
         read.moved = true;
@@ -616,7 +630,9 @@ struct SavedAlias final : c10::TensorImpl {
   static void copy_from(const c10::TensorImpl* src, SavedAlias* dest) {
     copy_tensor_metadata(src, dest, src->version_counter(), false);
   }
-  c10::StorageImpl* key = nullptr;  // its storage, where its saving is logged
+  // Its storage when saved, where its saving is logged (weakly held: code may `set_` the
+  // alias to other memory; its address is never reused while the alias lives).
+  c10::StorageImpl* key = nullptr;
   // Its last strong reference went: released (where weak references remain) or deleted.
   void release_resources() override {
     gone();
@@ -634,6 +650,7 @@ struct SavedAlias final : c10::TensorImpl {
       if (region != 0 && keep) {  // this region's, or an older one's the ledger took over
         saved_event(key, -1);
       }
+      to_release.push_back(key);  // (its weak reference, given up outside `mu`)
       key = nullptr;
     }
   }
@@ -653,6 +670,7 @@ at::Tensor saved_kernel(const at::Tensor& t) {
     std::lock_guard<std::mutex> g(mu);
     if (region != 0 && keep) {
       c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
+      c10::raw::weak_intrusive_ptr::incref(s);
       alias->key = s;
       aliases.insert(alias.get());
       saved_event(s, +1);
@@ -687,6 +705,9 @@ int register_saved_op() {
 // gradients are named at the end of each backward and of the region.
 std::unordered_set<c10::TensorImpl*>& leaves = *new std::unordered_set<c10::TensorImpl*>();
 bool grads_queued = false;  // a callback at the end of the running backward is queued
+int queued_task = -1;       // the graph task it was queued on
+// The autograd nodes whose leaves were looked for in this region (a graph walked once).
+std::unordered_set<torch::autograd::Node*>& walked = *new std::unordered_set<torch::autograd::Node*>();
 constexpr int kGradient = 5;  // Category.GRADIENT's code (PRIORITY + 1)
 
 void remember_leaf(c10::TensorImpl* impl) {  // under `mu`
@@ -745,23 +766,25 @@ void after_backward() {
   }
 }
 
-// The first op of a backward: the leaves its graph reaches, where the region met none as an
-// op's input (it runs only backward, and never saw the forward's inputs). Under `mu`; returns
-// whether a callback is to be queued.
+// The first op of a backward: the leaves its graph reaches (a region that runs only backward
+// never saw the forward's inputs; nodes walked before in the region are not walked again).
+// Under `mu`; returns whether a callback is to be queued.
 bool backward_begins() {
-  if (grads_queued) {
-    return false;
-  }
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) {
     return false;
   }
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (grads_queued && task == queued_task) {
+    return false;  // (a backward that raised never ran its callback: a new one queues again)
+  }
   grads_queued = true;
-  if (!leaves.empty()) {
-    return true;  // the region ran the forward: its leaves were met as inputs
+  queued_task = task;
+  if (!walked.insert(node.get()).second) {
+    return true;
   }
   std::vector<torch::autograd::Node*> todo{node.get()};
-  std::unordered_set<torch::autograd::Node*> met{node.get()};
+  std::unordered_set<torch::autograd::Node*>& met = walked;
   while (!todo.empty()) {
     torch::autograd::Node* n = todo.back();
     todo.pop_back();
@@ -1066,6 +1089,10 @@ void drop_weak_refs() {
   for (c10::StorageImpl* s : save_keys) {
     to_release.push_back(s);
   }
+  for (c10::StorageImpl* s : resize_keys) {
+    to_release.push_back(s);
+  }
+  resize_keys.clear();
   for (c10::TensorImpl* t : leaves) {
     to_release_impls.push_back(t);
   }
@@ -1086,6 +1113,8 @@ void drop_weak_refs() {
   ev_ns.clear();
   ev_phase.clear();
   grads_queued = false;
+  queued_task = -1;
+  walked.clear();
   marked = 0;
   seq = 0;
 }
@@ -1250,8 +1279,8 @@ void mn_sweep(const uintptr_t* known, int64_t n, const int64_t* known_sizes, int
   // Deltas by sequence number: each event has its own; a resize's goes before the event that
   // followed it.
   std::vector<int64_t> delta(static_cast<size_t>(seq) + 1, 0);
-  for (const auto& r : resizes) {
-    delta[r.first] += r.second;
+  for (const Resize& r : resizes) {
+    delta[r.seq] += r.added;
   }
   int64_t found = 0;
   for (const Move& m : moves) {
@@ -1356,7 +1385,7 @@ int64_t mn_reads(intptr_t* storages, uintptr_t* ptrs, int64_t* sizes, int64_t ca
 // op returned in this region (it follows its new block; the ledger learns it at the end), else
 // 0: its change of size, `added`, is placed here in the order, and its new block is never
 // counted as an op's (the ledger follows the storage).
-int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
+int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added, intptr_t storage) {
   std::lock_guard<std::mutex> g(mu);
   if (region == 0) {
     return 0;
@@ -1387,7 +1416,18 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added) {
     }
     return 1;
   }
-  resizes.push_back({seq, added});
+  auto* st = reinterpret_cast<c10::StorageImpl*>(storage);
+  if (keep && st != nullptr && is_cpu(st)) {  // the ledger's storage: its role is the ledger's
+    if (resize_keys.insert(st).second) {
+      c10::raw::weak_intrusive_ptr::incref(st);
+    }
+    if (older.count(st) == 0) {  // met now, at its size before
+      older.emplace(st, Older{old_ptr, static_cast<int64_t>(st->nbytes()) - added, false});
+    }
+  } else {
+    st = nullptr;
+  }
+  resizes.push_back({seq, added, st});
   if (fresh != nullptr) {
     nb->second.region = 0;  // the ledger's storage, not a new one: never marked
     nb->second.index = -1;
@@ -1516,7 +1556,7 @@ int64_t mn_older(intptr_t* storages, uintptr_t* ptrs, int64_t* sizes, int64_t* r
     }
     auto st = sticky.find(kv.first);
     if (st != sticky.end() && c10::raw::weak_intrusive_ptr::use_count(kv.first) > 0 &&
-        moved.count(kv.first) == 0) {
+        moved.count(kv.first) == 0 && resize_keys.count(kv.first) == 0) {
       auto m = marks.find(kv.first);
       if (m == marks.end() || m->second >= st->second) {
         continue;  // its lasting role all through: summed from the ledger
@@ -1563,16 +1603,14 @@ int64_t mn_older_count() {
 int64_t mn_aliases(intptr_t* objects, int64_t cap) {
   std::lock_guard<std::mutex> g(mu);
   int64_t k = 0;
-  for (SavedAlias* a : aliases) {
-    if (k >= cap) {
-      break;
-    }
-    PyObject* obj = a->pyobj_slot()->load_pyobj();
-    if (obj != nullptr) {
+  for (auto it = aliases.begin(); it != aliases.end() && k < cap;) {
+    PyObject* obj = (*it)->pyobj_slot()->load_pyobj();
+    if (obj != nullptr) {  // a new reference, which the caller gives up once it holds its own
+      (*c10::impl::getGlobalPyInterpreter())->incref(obj);
       objects[k++] = reinterpret_cast<intptr_t>(obj);
     }
+    it = aliases.erase(it);
   }
-  aliases.clear();
   return k;
 }
 #else
@@ -1596,7 +1634,8 @@ int64_t mn_typed(intptr_t* objects, int64_t cap) {
       return;  // named before: the ledger holds its role
     }
     PyObject* obj = impl->pyobj_slot()->load_pyobj();
-    if (obj != nullptr) {
+    if (obj != nullptr) {  // a new reference (see mn_aliases)
+      (*c10::impl::getGlobalPyInterpreter())->incref(obj);
       objects[k++] = reinterpret_cast<intptr_t>(obj);
     }
   };
@@ -1732,14 +1771,18 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   };
   std::vector<Ev> evs;
   evs.reserve(allocs.size() * 2 + saves.size() + earlier_frees.size());
-  int32_t resized_ent = -1;  // bytes of storages resized in place (no storage known here)
-  for (const auto& r : resizes) {
+  int32_t resized_ent = -1;  // bytes of storages resized in place with no storage known
+  for (const Resize& r : resizes) {
+    if (r.storage != nullptr && older.count(r.storage) != 0) {
+      evs.push_back({r.seq, ent_of(r.storage), 0, r.added});
+      continue;
+    }
     if (resized_ent < 0) {
       resized_ent = static_cast<int32_t>(ents.size());
       ents.emplace_back();
       ents[resized_ent].predates = true;
     }
-    evs.push_back({r.first, resized_ent, 0, r.second});
+    evs.push_back({r.seq, resized_ent, 0, r.added});
   }
   int64_t found = 0;
   for (const Move& m : moves) {

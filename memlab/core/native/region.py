@@ -33,12 +33,11 @@ from memlab.core._torch_record import (
     dispatch_modes_on,
     force_eager,
     restore_stance,
+    storage_address,
 )
 from memlab.core.ledger import Ledger
-from memlab.core.native import breakdown, library
+from memlab.core.native import breakdown, handover, library
 from memlab.core.native.frees import ON_CPU, Frees
-from memlab.core.native.handover import reads, register_survivors, unplaced_notes
-from memlab.core.native.objects import saved_aliases
 from memlab.core.native.roles import NativeRoles, roles_for
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
@@ -146,7 +145,8 @@ class NativeRegion:
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
         added = storage.nbytes() - before
-        if self._lib.mn_resized(resizes.before_ptr, address_of(storage), added):
+        ptr = resizes.before_ptr
+        if self._lib.mn_resized(ptr, address_of(storage), added, storage_address(storage)):
             return  # a storage of this region's: the record follows it to its new memory
         if self._frees is not None and not self.ledger.knows(storage):
             self._frees.found_at.add(resizes.before_ptr)  # found now, at its old address
@@ -207,14 +207,13 @@ class NativeRegion:
         n_reads, n_alive = _COUNTS[3], _COUNTS[5]
         with ledger._lock:
             ledger.settle()
-            for storage, ptr, size in reads(lib, n_reads):
+            for storage, ptr, size in handover.reads(lib, n_reads):
                 if storage is not None and not ledger.knows(storage):
                     ledger.existing(ON_CPU, storage, size)
                     self._handed[ptr] = size
-            register_survivors(lib, ledger, n_alive)
+            handover.register_survivors(lib, ledger, n_alive)
             if self.roles is not None:  # what autograd holds saved, as the ledger sees it
-                for alias in saved_aliases(int(lib.mn_alias_count())):
-                    ledger.saved_by(alias, alias)
+                handover.hand_over_aliases(lib, ledger)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         tally = self._tally
@@ -246,7 +245,7 @@ class NativeRegion:
         dead_reads: dict[int, int] = {}
         with ledger._lock:
             ledger.settle()  # the region's frees of followed storages, heard by `frees`
-            for storage, ptr, size in reads(lib, n_reads):
+            for storage, ptr, size in handover.reads(lib, n_reads):
                 if storage is None:  # read, then freed in the region
                     if ptr in self._handed:  # counted in `before` when handed over
                         frees.freed.setdefault(ptr, size)
@@ -256,7 +255,7 @@ class NativeRegion:
                     # read (an op may have grown it since: the ledger hears that as the op's,
                     # when the storage is registered as a survivor below)
                     ledger.existing(ON_CPU, storage, size)
-            survivors = register_survivors(lib, ledger, n_alive)
+            survivors = handover.register_survivors(lib, ledger, n_alive)
             known = {**frees.freed, **dead_reads}
             n = len(known)
             if self.roles is not None:
@@ -268,7 +267,7 @@ class NativeRegion:
                 result, missing, unplaced = breakdown.tally(
                     lib, ledger, frees, known, survivors, base, self._t0
                 )
-                self.notes += unplaced_notes(missing + frees.unplaced, unplaced)
+                self.notes += handover.unplaced_notes(missing + frees.unplaced, unplaced)
                 return result
             if n:
                 addresses = (ctypes.c_size_t * n)(*known.keys())
@@ -281,7 +280,7 @@ class NativeRegion:
             missing += frees.unplaced
             after = ledger.total(_CPU)
         before = self.before + frees.discovered + sum(dead_reads.values())
-        self.notes += unplaced_notes(missing, unplaced)
+        self.notes += handover.unplaced_notes(missing, unplaced)
         return Tally(before, after, before + high, None, None, None, None, None, None)
 
 

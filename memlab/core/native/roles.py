@@ -60,6 +60,7 @@ class NativeRoles(Roles):
         self._leaves = torch.utils.weak.WeakIdKeyDictionary()
         self._leaf_refs = {}
         self._marked = {}
+        self._prune_at = 4096
         self._optimizers = weakref.WeakSet()  # (the base class's: `watch` of an optimizer)
         #: The optimizers stepped in the open region (held until its end, then let go).
         self._stepped: list[torch.optim.Optimizer] = []
@@ -83,6 +84,7 @@ class NativeRoles(Roles):
         """Hooks in (``saved``: the saved-tensor hook too, for a breakdown's activations); on
         any failure, what was done is undone and the error raised."""
         self.errors = []
+        self._prune()
         self._module_depth = self._optimizer_depth = self.labelled = 0
         self._stepped.clear()
         self._set_phase()
@@ -96,6 +98,14 @@ class NativeRoles(Roles):
             stack.close()
             raise
         self._open = True
+
+    def _prune(self) -> None:
+        """Drops the caches' entries for tensors and storages that died (models built again
+        and again, as the what-if panel does), once they have grown."""
+        if len(self._leaf_refs) > self._prune_at:
+            self._leaf_refs = {k: v for k, v in self._leaf_refs.items() if v[0]() is not None}
+            self._marked = {k: v for k, v in self._marked.items() if v() is not None}
+            self._prune_at = 2 * len(self._leaf_refs) + 4096
 
     def _push_pack(self, stack: contextlib.ExitStack) -> None:
         on = _torch.saved_tensors_hooks_on()
@@ -250,12 +260,11 @@ class NativeRoles(Roles):
             self.errors.append(f"{what} ({said})")
 
 
-_ROLES: weakref.WeakKeyDictionary[Ledger, NativeRoles] = weakref.WeakKeyDictionary()
-
-
 def roles_for(ledger: Ledger, lib: Any) -> NativeRoles:
-    """The ledger's roles (their caches last the process: see `NativeRoles.mark`)."""
-    roles = _ROLES.get(ledger)
+    """The ledger's roles (their caches last as long as the ledger: see `NativeRoles.mark`),
+    kept on the ledger itself (a cycle the garbage collector frees with it)."""
+    roles: NativeRoles | None = getattr(ledger, "_native_roles", None)
     if roles is None or roles.lib is not lib:
-        roles = _ROLES[ledger] = NativeRoles(ledger, lib)
+        roles = NativeRoles(ledger, lib)
+        ledger._native_roles = roles  # type: ignore[attr-defined]
     return roles

@@ -22,7 +22,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_survivors.restype = i64
     lib.mn_reads.argtypes = [ipp, up, i64p, i64]
     lib.mn_reads.restype = i64
-    lib.mn_resized.argtypes = [ctypes.c_size_t, ctypes.c_size_t, i64]
+    lib.mn_resized.argtypes = [ctypes.c_size_t, ctypes.c_size_t, i64, ctypes.c_ssize_t]
     lib.mn_resized.restype = ctypes.c_int
     lib.mn_release.argtypes = []
     lib.mn_release.restype = None
