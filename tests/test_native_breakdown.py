@@ -877,3 +877,25 @@ def test_a_ledger_let_go_is_freed_with_its_roles() -> None:
     del ledger
     gc.collect()
     assert gone() is None
+
+
+def model_rebuilt_in_a_watched_region(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    use(native_on, monkeypatch)
+    held = {"model": nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))}
+    # as %%gpumem watches the namespace: the old model is named at the start, never read, and
+    # freed in the region when its name is bound to the new one
+    with track(watch=lambda: [held["model"]]) as t:
+        held["model"] = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    check_path(t, native_on)
+    return figures_of(t), nbytes(held["model"].parameters())
+
+
+def test_a_model_rebuilt_in_a_watched_region_counts_the_old_one_until_it_is_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fast, params = model_rebuilt_in_a_watched_region(True, monkeypatch)
+    slow, _ = model_rebuilt_in_a_watched_region(False, monkeypatch)
+    assert_same(fast, slow)
+    assert fast.before == fast.after == params  # the old model, then the new one
+    assert fast.at_end == {Category.PARAMETER: params}
+    assert fast.peak == 2 * params  # both alive while the new one is built

@@ -104,8 +104,14 @@ def tally(
                 if entry.category in STICKY:  # the next regions sum it from the ledger
                     lib.mn_sticky(storage_address(storage), CODE[entry.category])
             else:
-                older_codes[i] = _stronger(code, _code(frees.freed_role.get(ptrs[i])))
+                ptr = ptrs[i]
+                older_codes[i] = _stronger(code, _code(frees.freed_role.get(ptr)))
                 saved_end[i] = 0
+                if ptr not in known and ptr not in frees.found_at:
+                    # given a role or saved, then freed, never followed by the ledger: it
+                    # existed at the start, and its free is placed by its block
+                    known = {**known, ptr: sizes[i]}
+                    before_base += sizes[i]
     m = len(known)
     addresses = _buffer(ctypes.c_size_t, 9, m)
     nbytes = _buffer(ctypes.c_int64, 10, m)
