@@ -162,7 +162,8 @@ struct Older {
   bool read;
   c10::TensorImpl* reader = nullptr;  // the tensor an op first read it through (weakly held)
 };
-// The storages from before the region first read by the op being looked at (see `readers`).
+// The storages from before the region first read by the op being looked at: their reader is
+// set by leaves_of_inputs.
 std::vector<c10::StorageImpl*>& fresh_older = *new std::vector<c10::StorageImpl*>();
 std::unordered_map<c10::StorageImpl*, Older>& older =
     *new std::unordered_map<c10::StorageImpl*, Older>();
@@ -177,7 +178,14 @@ std::vector<size_t>& adopted_alive = *new std::vector<size_t>();
 
 constexpr int8_t kBackward = 2;  // Phase.BACKWARD
 
+// The phase of the op the fallback runs on this thread (-1: none), found once per op for the
+// allocations it makes.
+thread_local int8_t op_phase = -1;
+
 int8_t phase_now() {
+  if (op_phase >= 0) {
+    return op_phase;
+  }
   if (torch::autograd::get_current_node() != nullptr) {
     return kBackward;  // an op of a backward function, on the engine's thread
   }
@@ -769,8 +777,7 @@ void after_backward() {
 // The first op of a backward: the leaves its graph reaches (a region that runs only backward
 // never saw the forward's inputs; nodes walked before in the region are not walked again).
 // Under `mu`; returns whether a callback is to be queued.
-bool backward_begins() {
-  auto node = torch::autograd::get_current_node();
+bool backward_begins(const c10::intrusive_ptr<torch::autograd::Node>& node) {
   if (node == nullptr) {
     return false;
   }
@@ -858,7 +865,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (subclass) {  // are seen, as a dispatch mode above the subclass sees them
     running.back() = 1;
   }
-  const bool queue = keep && backward_begins();
+  const bool queue = keep && backward_begins(torch::autograd::get_current_node());
   g.unlock();
   if (queue) {
     queue_after_backward();
@@ -929,13 +936,20 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
           leaves_of_inputs(*it);
         }
       }
-      queue = keep && backward_begins();
+      if (keep) {
+        auto node = torch::autograd::get_current_node();
+        op_phase = node != nullptr ? kBackward : static_cast<int8_t>(mn_py_phase);
+        queue = backward_begins(node);
+      }
     }
   }
   if (queue) {
     queue_after_backward();
   }
   {
+    struct PhaseReset {  // (also when the op raises)
+      ~PhaseReset() { op_phase = -1; }
+    } reset;
     c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
     op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
   }
