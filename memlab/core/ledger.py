@@ -32,7 +32,7 @@ class Ledger(Listeners):
     """Live storages by identity, with per-device byte totals.
 
     Thread-safe: autograd runs CUDA backward on its own threads, and weak-reference callbacks run
-    wherever the last reference dies.
+    wherever the last reference dies. (``native_roles``: the native record's role hooks for it.)
     """
 
     def __init__(self) -> None:
@@ -44,12 +44,12 @@ class Ledger(Listeners):
         self._serials = itertools.count()
         self._lock = threading.RLock()
         self._packs: dict[int, PackRef] = {}
-        #: Dead references, in the order their storages (or saved aliases) died.
-        self._dead: deque[weakref.ref[object]] = deque()
+        self._dead: deque[weakref.ref[object]] = deque()  # in the order they died
         self._when = 0.0
         #: Live entries by serial; those that ever had a role or were saved (reports sum the rest).
         self._by_serial: dict[int, Entry] = {}
         self._special: dict[int, Entry] = {}
+        self.native_roles: Any = None
 
     # -- queries ----------------------------------------------------------------------------
     def total(self, device: str) -> int:

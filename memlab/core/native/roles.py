@@ -263,8 +263,7 @@ class NativeRoles(Roles):
 def roles_for(ledger: Ledger, lib: Any) -> NativeRoles:
     """The ledger's roles (their caches last as long as the ledger: see `NativeRoles.mark`),
     kept on the ledger itself (a cycle the garbage collector frees with it)."""
-    roles: NativeRoles | None = getattr(ledger, "_native_roles", None)
+    roles: NativeRoles | None = ledger.native_roles
     if roles is None or roles.lib is not lib:
-        roles = NativeRoles(ledger, lib)
-        ledger._native_roles = roles  # type: ignore[attr-defined]
+        roles = ledger.native_roles = NativeRoles(ledger, lib)
     return roles
