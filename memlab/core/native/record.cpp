@@ -667,8 +667,11 @@ struct SavedAlias final : c10::TensorImpl {
 at::Tensor saved_kernel(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (typeid(*impl) != typeid(c10::TensorImpl) || !impl->has_storage() ||
-      impl->layout() != c10::kStrided || !is_cpu(impl->unsafe_storage().unsafeGetStorageImpl())) {
-    return t.detach();  // a subclass, sparse, or not CPU memory: saved as the hook always did
+      impl->layout() != c10::kStrided || impl->key_set().has(c10::DispatchKey::Python) ||
+      !is_cpu(impl->unsafe_storage().unsafeGetStorageImpl())) {
+    // a subclass (of C++'s, or of Python's with its own dispatch), sparse, or not CPU memory:
+    // saved as the hook always did, its saving not logged
+    return t.detach();
   }
   auto alias = c10::make_intrusive<SavedAlias>(c10::Storage(impl->storage()), impl->key_set(),
                                                impl->dtype());
