@@ -446,10 +446,30 @@ void release_deferred() {  // never under `mu`
   }
 }
 
-void seen(c10::StorageImpl* s) {  // under `mu`
-  if (read_seen.insert(s).second) {
-    c10::raw::weak_intrusive_ptr::incref(s);
+// Puts `p` in a set that holds its members weakly (one weak count each, given up when the set
+// is emptied), once.
+template <typename Set, typename T>
+void hold(Set& set, T* p) {
+  if (set.insert(p).second) {
+    c10::raw::weak_intrusive_ptr::incref(p);
   }
+}
+
+// Gives `s` the role `code` in a map that holds its keys weakly (the stronger of two roles:
+// the lower code).
+void keep_stronger(std::unordered_map<c10::StorageImpl*, int>& roles, c10::StorageImpl* s,
+                   int code) {
+  auto it = roles.find(s);
+  if (it == roles.end()) {
+    c10::raw::weak_intrusive_ptr::incref(s);
+    roles.emplace(s, code);
+  } else if (code < it->second) {
+    it->second = code;
+  }
+}
+
+void seen(c10::StorageImpl* s) {  // under `mu`
+  hold(read_seen, s);
 }
 
 // A storage an op read: remembered (weakly) where it predates the region, once. Under `mu`.
@@ -594,13 +614,7 @@ void mark_storage(c10::StorageImpl* s, int code) {  // under `mu`
   if (!is_cpu(s) || code <= 0 || s->data_ptr().get() == nullptr) {
     return;
   }
-  auto it = marks.find(s);
-  if (it == marks.end()) {
-    c10::raw::weak_intrusive_ptr::incref(s);
-    marks.emplace(s, code);
-  } else if (code < it->second) {
-    it->second = code;
-  }
+  keep_stronger(marks, s, code);
   if (!is_new(s)) {
     met_older(s);
   }
@@ -620,9 +634,7 @@ struct SavedAlias;
 std::unordered_set<SavedAlias*>& aliases = *new std::unordered_set<SavedAlias*>();
 
 void saved_event(c10::StorageImpl* s, int delta) {  // under `mu`, with a breakdown open
-  if (save_keys.insert(s).second) {
-    c10::raw::weak_intrusive_ptr::incref(s);
-  }
+  hold(save_keys, s);
   if (!is_new(s)) {
     met_older(s);
   }
@@ -722,9 +734,7 @@ std::unordered_set<torch::autograd::Node*>& walked = *new std::unordered_set<tor
 constexpr int kGradient = 5;  // Category.GRADIENT's code (PRIORITY + 1)
 
 void remember_leaf(c10::TensorImpl* impl) {  // under `mu`
-  if (leaves.insert(impl).second) {
-    c10::raw::weak_intrusive_ptr::incref(impl);
-  }
+  hold(leaves, impl);
 }
 
 // An op's input (after read_storage met its storages): its leaves, and the tensors through
@@ -1014,9 +1024,7 @@ void unregister_key_fallback() {
 bool prefer_records = false;  // tests: the RecordFunction route even where the key is free
 
 void report(c10::StorageImpl* s) {
-  if (reported.insert(s).second) {
-    c10::raw::weak_intrusive_ptr::incref(s);
-  }
+  hold(reported, s);
 }
 
 void forget_reported() {
@@ -1435,9 +1443,7 @@ int mn_resized(uintptr_t old_ptr, uintptr_t new_ptr, int64_t added, intptr_t sto
   }
   auto* st = reinterpret_cast<c10::StorageImpl*>(storage);
   if (keep && st != nullptr && is_cpu(st)) {  // the ledger's storage: its role is the ledger's
-    if (resize_keys.insert(st).second) {
-      c10::raw::weak_intrusive_ptr::incref(st);
-    }
+    hold(resize_keys, st);
     if (older.count(st) == 0) {  // met now, at its size before
       older.emplace(st, Older{old_ptr, static_cast<int64_t>(st->nbytes()) - added, false});
     }
@@ -1599,13 +1605,7 @@ void mn_sticky(intptr_t storage, int code) {
   if (s == nullptr || code <= 0) {
     return;
   }
-  auto it = sticky.find(s);
-  if (it == sticky.end()) {
-    c10::raw::weak_intrusive_ptr::incref(s);
-    sticky.emplace(s, code);
-  } else if (code < it->second) {
-    it->second = code;
-  }
+  keep_stronger(sticky, s, code);
 }
 
 int64_t mn_older_count() {
