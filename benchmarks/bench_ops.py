@@ -27,6 +27,7 @@ import memlab
 from memlab.core import native
 from memlab.core._torch import TorchDispatchMode
 from memlab.core.allocations import AllocationRecord
+from memlab.core.native import pack
 
 
 class _Nothing(TorchDispatchMode):
@@ -106,7 +107,11 @@ def main() -> None:
     )
     ap.add_argument("--out")
     args = ap.parse_args()
-    native.unavailable()  # waits for a first build of the record (a compiler beside the timings)
+    # waits for a first build of the record and of the breakdown's hooks in C (a compiler
+    # running beside the timings would slow them; and a user's regions have the hooks in C
+    # from a few seconds after the first)
+    if native.unavailable() is None:
+        pack.wait()
     step = mlp_step()
     tracker = memtracker()
     ways: dict[str, Callable[[], Any]] = {

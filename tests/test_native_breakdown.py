@@ -20,6 +20,7 @@ Tests marked xfail(strict=True) are bugs found here: each reason says what is wr
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import subprocess
 import sys
@@ -566,12 +567,17 @@ def test_the_programs_own_saved_tensor_hooks_inside_the_region_give_the_same_fig
 # -- 7. nothing left installed --------------------------------------------------------------------
 
 
-def installed() -> dict[str, Any]:
+def installed(*models: nn.Module) -> dict[str, Any]:
     from torch.nn.modules import module as m
     from torch.optim import optimizer as o
 
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return {
+        "models' own forward hooks": sum(
+            len(k._forward_hooks) + len(k._forward_hooks_always_called)
+            for model in models
+            for k in model.modules()
+        ),
         "forward pre-hooks": len(m._global_forward_pre_hooks),
         "forward hooks": len(m._global_forward_hooks),
         "always called": len(getattr(m, "_global_forward_hooks_always_called", {})),
@@ -595,7 +601,7 @@ def ctypes_phase() -> int:
 @pytest.mark.parametrize("ending", ["returns", "raises", "interrupted"])
 def test_nothing_stays_installed_after_a_native_breakdown_region(ending: str) -> None:
     model, opt, x, y = mlp()
-    before = installed()
+    before = installed(model)
     assert before["saved-tensor hooks"] is None and not before["key on"]
     seen: dict[str, Any] = {}
     exc: type[BaseException] | None = {
@@ -615,12 +621,12 @@ def test_nothing_stays_installed_after_a_native_breakdown_region(ending: str) ->
     assert inside["forward pre-hooks"] == before["forward pre-hooks"] + 1  # (it was installed)
     assert inside["optimizer post-hooks"] == before["optimizer post-hooks"] + 1
     assert inside["saved-tensor hooks"] is not None and inside["key on"] == HAS_KEY
-    assert installed() == before
+    assert installed(model) == before
     assert t.report.breakdown is not None  # and the region still reports
     # and the next region measures natively, from a clean start
     with track() as again:
         nn.functional.cross_entropy(model(x), y).backward()
-    assert again._native is not None and installed() == before
+    assert again._native is not None and installed(model) == before
     assert again.report.breakdown is not None
     assert again.report.breakdown.at_end.get(Category.GRADIENT) == nbytes(model.parameters())
 
@@ -899,3 +905,126 @@ def test_a_model_rebuilt_in_a_watched_region_counts_the_old_one_until_it_is_free
     assert fast.before == fast.after == params  # the old model, then the new one
     assert fast.at_end == {Category.PARAMETER: params}
     assert fast.peak == 2 * params  # both alive while the new one is built
+
+
+# -- the breakdown's saved-tensor hooks: in C, or the op they replace ---------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["mlp-adamw", "checkpoint", "lists-views-inplace", "sparse", "transformer-layer"]
+)
+def test_the_hooks_in_c_give_the_figures_of_the_op_they_replace(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pack hook written in C (memlab.core.native.pack) and the call of memlab::saved that
+    stands in until it is built tag the same savings: equal figures, the same program run the
+    same way (each on a fresh ledger, so each makes its own hooks)."""
+    from memlab.core import _torch
+    from memlab.core.native import pack
+    from memlab.core.native.roles import native_pack
+
+    if native.unavailable() is not None or pack.wait() is not None:
+        pytest.skip(f"no native record or no hooks in C here: {native.unavailable()}")
+
+    def measured(in_c: bool) -> tuple[Figures, Any]:
+        with monkeypatch.context() as m:
+            if not in_c:
+                m.setattr(pack, "hooks", lambda: None)
+            use(True, m)
+            body = WORKLOADS[name]()
+            if name not in NO_WARM_UP:
+                body()
+            seen: list[Any] = []
+            with track() as t:
+                seen.append(_torch.saved_tensors_hooks_on())
+                seen.append(body())
+            check_path(t, True)
+            return figures_of(t), seen[0]
+
+    op, op_hooks = measured(False)
+    c, c_hooks = measured(True)
+    assert op_hooks is not None and c_hooks is not None
+    assert getattr(op_hooks[0], "__name__", "") != "memlab_pack"  # the op's binding
+    assert c_hooks[0] is pack.hooks()[0] is native_pack()  # the C function, in force
+    assert_same(c, op, name)
+    assert sum(c.highest.values()) > 0
+
+
+def test_the_pack_hook_in_c_answers_a_wrong_argument_with_a_type_error() -> None:
+    from memlab.core.native import pack
+
+    if native.unavailable() is not None or pack.wait() is not None:
+        pytest.skip("no hooks in C here")
+    pack_hook, unpack_hook = pack.hooks()
+    with pytest.raises(TypeError, match="takes a tensor, got str"):
+        pack_hook("not a tensor")
+    x = torch.ones(3)
+    assert unpack_hook(x) is x
+    alias = pack_hook(x)  # (outside a region: an alias, nothing logged)
+    assert alias.data_ptr() == x.data_ptr() and alias is not x and not alias.requires_grad
+
+
+# -- the forward phase: the outermost module's own hook says when it ends ------------------------
+
+
+class Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        if y.sum() > -1e30:  # (always)
+            raise ValueError("from the model's forward")
+        return y
+
+
+class OddHooks(nn.Linear):
+    """A module whose forward-hook dicts are not PyTorch's own type (a plain dict)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self._forward_hooks = dict(self._forward_hooks)  # type: ignore[assignment]
+
+
+def phases_of(native_on: bool, monkeypatch: pytest.MonkeyPatch, make: Any) -> list[Any]:
+    use(native_on, monkeypatch)
+    model = make()
+    x = torch.randn(3, 4, requires_grad=True)
+    out: list[Any] = []
+    with track() as t:
+        try:
+            model(x)
+        except ValueError as e:
+            out.append(str(e))
+        after = x * 3  # outside every module: "other"
+        out.append(installed(model)["models' own forward hooks"])
+        after.sum().backward()
+    check_path(t, native_on)
+    out.append(installed(model)["models' own forward hooks"])
+    fig = figures_of(t)
+    out.append(fig.up_phases())
+    out.append(fig.totals)
+    return out
+
+
+@pytest.mark.parametrize("make", [Raises, OddHooks, lambda: nn.Sequential(nn.Linear(4, 4))])
+def test_the_forward_phase_ends_where_the_outermost_module_returns_or_raises(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = phases_of(False, monkeypatch, make)
+    fast = phases_of(True, monkeypatch, make)
+    assert fast == slow
+    assert fast[-2] and {p for _, p in fast[-2]} >= {"forward", "other"}
+    assert fast[-3] == 0  # no hook of ours left on the model after the region,
+    assert fast[-4] == 0  # nor inside it once the forward returned or raised
+
+
+def test_a_model_deep_copied_in_a_region_after_its_forward_raised_copies_no_hook_of_ours() -> None:
+    model = Raises()
+    with track() as t:
+        with pytest.raises(ValueError):
+            model(torch.randn(2, 4))
+        twin = copy.deepcopy(model)  # (a hook of ours would drag memlab's objects along)
+    assert t._native is not None
+    assert installed(model, twin)["models' own forward hooks"] == 0

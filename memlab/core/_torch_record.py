@@ -171,8 +171,9 @@ class GlobalHooks:
     step pre, step post), put in and taken out at every region: written straight into the
     dicts PyTorch keeps them in, under ids taken once from ``RemovableHandle`` (so no other
     hook's id is reused), where registering through the public functions makes two handles a
-    hook each time. Where the dicts are not there, the public functions are used. Checked
-    2.4.1, 2.13."""
+    hook each time. Where the dicts are not there, the public functions are used. The forward
+    hook may be left out at `install` and put in later (`install_post`): a global forward hook
+    costs every module call PyTorch's slow path. Checked 2.4.1, 2.13."""
 
     def __init__(self, pre: Any, post: Any, step_pre: Any, step_post: Any) -> None:
         from torch.nn.modules import module as mm
@@ -181,6 +182,7 @@ class GlobalHooks:
 
         self._hooks = (pre, post, step_pre, step_post)
         self._handles: list[Any] = []
+        self._post_handle: Any = None
         try:
             dicts = (
                 mm._global_forward_pre_hooks,
@@ -194,28 +196,42 @@ class GlobalHooks:
         except AttributeError:
             self._dicts = None
 
-    def install(self) -> None:
+    def install(self, post: bool = True) -> None:
         if self._dicts is None:
             from torch.nn.modules import module as mm
             from torch.optim import optimizer as om
 
-            pre, post, step_pre, step_post = self._hooks
+            pre, _, step_pre, step_post = self._hooks
             self._handles = [
                 mm.register_module_forward_pre_hook(pre),
-                mm.register_module_forward_hook(post, always_call=True),
                 om.register_optimizer_step_pre_hook(step_pre),
                 om.register_optimizer_step_post_hook(step_post),
             ]
+        else:
+            for i in (0, 2, 3):
+                self._dicts[i][self._ids[i]] = self._hooks[i]
+        if post:
+            self.install_post()
+
+    def install_post(self) -> None:
+        """The forward hook (called always, also where the forward raises) in too."""
+        if self._dicts is None:
+            if self._post_handle is None:
+                from torch.nn.modules import module as mm
+
+                self._post_handle = mm.register_module_forward_hook(
+                    self._hooks[1], always_call=True
+                )
             return
-        for d, key, hook in zip(self._dicts, self._ids, self._hooks, strict=True):
-            d[key] = hook
+        self._dicts[1][self._ids[1]] = self._hooks[1]
         self._always[self._ids[1]] = True
 
     def remove(self) -> None:
         if self._dicts is None:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+            for handle in (*self._handles, self._post_handle):
+                if handle is not None:
+                    handle.remove()
+            self._handles, self._post_handle = [], None
             return
         for d, key in zip(self._dicts, self._ids, strict=True):
             d.pop(key, None)

@@ -49,6 +49,8 @@ class Ledger(Listeners):
         #: Live entries by serial; those that ever had a role or were saved (reports sum the rest).
         self._by_serial: dict[int, Entry] = {}
         self._special: dict[int, Entry] = {}
+        #: Bumped at each change to `_special` or its entries: sums over them stay right till then.
+        self.special_version = 0
         self.native_roles: Any = None
 
     # -- queries ----------------------------------------------------------------------------
@@ -147,20 +149,10 @@ class Ledger(Listeners):
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._add(storage, nbytes, device_key(t.device))
-                delta = nbytes
-            else:
-                delta = nbytes - entry.nbytes
-                if delta == 0:
-                    return entry
-                entry.nbytes = nbytes
+                self._heard(entry, nbytes, when)
+            elif entry.nbytes != nbytes:
                 entry.relocate()  # grown (or shrunk) by an op: in a new block
-                self._totals[entry.device] += delta
-            for listener in self._listeners:  # `_tell`, inline: the per-op path
-                if listener.device == entry.device:
-                    try:
-                        listener.on_alloc(entry.serial, delta, when)
-                    except Exception as e:
-                        self._failed(listener, e)
+                self._grew(entry, nbytes, when)
             return entry
 
     def knows(self, storage: torch.UntypedStorage) -> bool:
@@ -208,12 +200,16 @@ class Ledger(Listeners):
         if delta:
             entry.nbytes = nbytes
             self._totals[entry.device] += delta
-            for listener in self._listeners:  # `_tell`, inline: the per-op path
-                if listener.device == entry.device:
-                    try:
-                        listener.on_alloc(entry.serial, delta, when)
-                    except Exception as e:
-                        self._failed(listener, e)
+            self.special_version += 1
+            self._heard(entry, delta, when)
+
+    def _heard(self, entry: Entry, delta: int, when: float) -> None:
+        for listener in self._listeners:  # `_tell`, inline: the per-op path
+            if listener.device == entry.device:
+                try:
+                    listener.on_alloc(entry.serial, delta, when)
+                except Exception as e:
+                    self._failed(listener, e)
 
     def classify(self, t: torch.Tensor, category: Category, storage: Any = None) -> None:
         """``t``'s storage (``storage`` where the caller has it already) plays ``category``."""
@@ -225,6 +221,7 @@ class Ledger(Listeners):
             if category in STICKY:
                 entry.category = stronger(entry.category, category)
                 self._special[entry.serial] = entry
+                self.special_version += 1
             for listener in self._listeners:  # `_tell`, inline: marked at every module call
                 if listener.device == entry.device:
                     try:
@@ -246,6 +243,7 @@ class Ledger(Listeners):
             self._packs[id(ref)] = ref
             entry.saved += 1
             self._special[entry.serial] = entry
+            self.special_version += 1
             if entry.saved == 1:
                 self._notify_saved(entry, True)
 
@@ -255,6 +253,7 @@ class Ledger(Listeners):
         if ref.step == 0:  # (no call between these lines: an interrupt cannot split them)
             ref.step = 1
             entry.saved -= 1
+            self.special_version += 1
         if ref.step == 1:
             ref.step = 2
             if entry.saved == 0 and entry.alive:
@@ -285,7 +284,8 @@ class Ledger(Listeners):
         del self._entries[ref.key]
         self._resizing.pop(entry.serial, None)
         self._by_serial.pop(entry.serial, None)
-        self._special.pop(entry.serial, None)
+        if self._special.pop(entry.serial, None) is not None:
+            self.special_version += 1
 
 
 _DEFAULT: Ledger | None = None

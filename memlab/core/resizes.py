@@ -19,7 +19,7 @@ the resizes made while no region was open.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,19 +68,29 @@ def _uninstall() -> None:
         cls.resize_ = own  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def following_resizes(listener: ResizeListener) -> Iterator[None]:
+class following_resizes:  # noqa: N801 (used as a context manager, as a function would be)
     """For the block, ``listener(storage, bytes_before)`` after every ``resize_`` of a storage
-    called from Python (as FSDP calls it)."""
-    with PATCH_LOCK:
-        if not _listeners:
-            _install()
-        _listeners.append(listener)
-    try:
-        yield
-    finally:
+    called from Python (as FSDP calls it). (A class, not a generator: one per region.)"""
+
+    __slots__ = ("_in", "_listener")
+
+    def __init__(self, listener: ResizeListener) -> None:
+        self._listener = listener
+        self._in = False
+
+    def __enter__(self) -> None:
         with PATCH_LOCK:
-            _listeners.remove(listener)
+            if not _listeners:
+                _install()
+            _listeners.append(self._listener)
+            self._in = True
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._in:
+            return
+        self._in = False
+        with PATCH_LOCK:
+            _listeners.remove(self._listener)
             if not _listeners:
                 _uninstall()
 

@@ -108,21 +108,26 @@ def thin(values: Sequence[int], limit: int = MAX_TIMELINE_POINTS) -> list[int]:
 
 
 def _timeline(tally: Tally, offset: int) -> Timeline | None:
-    if tally.times is None or tally.totals is None or tally.phases is None:
+    """The tally's timeline, offset by ``offset`` bytes; its tuples are made when first read."""
+    times, totals, phases = tally.times, tally.totals, tally.phases
+    if times is None or totals is None or phases is None:
         return None
+    n = len(totals) if len(totals) <= MAX_TIMELINE_POINTS else len(thin(totals))
+    return Timeline.deferred(
+        lambda: _points(times, totals, phases, offset), n, TimelineSource.TENSOR_ACCOUNTING
+    )
+
+
+def _points(
+    times: Sequence[float], totals: Sequence[int], phases: Sequence[int], offset: int
+) -> tuple[tuple[float, ...], tuple[int, ...], tuple[str, ...]]:
     names = Phase.NAMES.__getitem__
-    if len(tally.totals) <= MAX_TIMELINE_POINTS:  # every point: no index per point
-        totals = tally.totals if not offset else (v + offset for v in tally.totals)
-        return Timeline(
-            seconds=tuple(tally.times),
-            allocated=tuple(totals),
-            phases=tuple(map(names, tally.phases)),
-            source=TimelineSource.TENSOR_ACCOUNTING,
-        )
-    keep = thin(tally.totals)
-    return Timeline(
-        seconds=tuple(tally.times[i] for i in keep),
-        allocated=tuple(tally.totals[i] + offset for i in keep),
-        phases=tuple(names(tally.phases[i]) for i in keep),
-        source=TimelineSource.TENSOR_ACCOUNTING,
+    if len(totals) <= MAX_TIMELINE_POINTS:  # every point: no index per point
+        shifted = totals if not offset else (v + offset for v in totals)
+        return tuple(times), tuple(shifted), tuple(map(names, phases))
+    keep = thin(totals)
+    return (
+        tuple(times[i] for i in keep),
+        tuple(totals[i] + offset for i in keep),
+        tuple(names(phases[i]) for i in keep),
     )

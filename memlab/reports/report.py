@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -42,11 +42,19 @@ class Breakdown:
         for name in ("at_peak", "at_end", "highest"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (a mapping proxy cannot be pickled or deep-copied: made again from plain dicts)
+        return (type(self), (dict(self.at_peak), dict(self.at_end), dict(self.highest)))
+
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {
             name: {c.value: int(getattr(self, name).get(c, 0)) for c in Category}
             for name in ("at_peak", "at_end", "highest")
         }
+
+
+_Points = tuple[tuple[float, ...], tuple[int, ...], tuple[str, ...]]
+_POINT_FIELDS = ("seconds", "allocated", "phases")
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,35 @@ class Timeline:
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", TimelineSource.parse("source", self.source))
 
+    @classmethod
+    def deferred(
+        cls, points: Callable[[], _Points], n: int, source: TimelineSource | str
+    ) -> Timeline:
+        """A timeline of ``n`` points whose tuples ``points()`` makes on first use: every
+        region with a breakdown has a timeline, and most are never looked at."""
+        made = object.__new__(cls)
+        object.__setattr__(made, "source", TimelineSource.parse("source", source))
+        object.__setattr__(made, "_points", points)
+        object.__setattr__(made, "_n", n)
+        return made
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for an attribute not set: the points of a deferred timeline, made here once)
+        points = self.__dict__.get("_points")
+        if points is None or name not in _POINT_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        for field_name, value in zip(_POINT_FIELDS, points(), strict=True):
+            object.__setattr__(self, field_name, value)
+        self.__dict__.pop("_points", None)
+        return self.__dict__[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (pickled and copied with its points made: the maker is a closure)
+        return {f: getattr(self, f) for f in (*_POINT_FIELDS, "source")}
+
     def __len__(self) -> int:
-        return len(self.seconds)
+        n = self.__dict__.get("_n")
+        return n if n is not None and "_points" in self.__dict__ else len(self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return {

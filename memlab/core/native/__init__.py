@@ -89,8 +89,12 @@ def library(wait: bool = True) -> ctypes.CDLL | None:
 
 def prepare() -> None:
     """Loads the library now, or starts building it on a thread of its own (``%load_ext
-    memlab`` calls this, so that the first tracked cell does not wait for the compiler)."""
-    library(wait=False)
+    memlab`` calls this, so that the first tracked cell does not wait for the compiler). The
+    breakdown's hooks in C (`memlab.core.native.pack`) are built after it, on the same terms."""
+    if library(wait=False) is not None:
+        from memlab.core.native import pack
+
+        pack.start()
 
 
 _builder: list[threading.Thread] = []

@@ -10,6 +10,7 @@ touched add up to (constant through the region, summed once as `memlab.core.reco
 from __future__ import annotations
 
 import ctypes
+import weakref
 from array import array
 from typing import Any
 
@@ -53,6 +54,36 @@ def _stronger(a: int, b: int) -> int:
     if a == 0:
         return b
     return a if b == 0 or a < b else b
+
+
+def _special_sums(ledger: Ledger) -> tuple[list[int], int]:
+    """Bytes of the ledger's CPU storages with a role (or saved), by the library's category
+    index, and their sum: summed again only where the ledger changed them since the last
+    region (a training step's parameters and optimizer state stay as they were)."""
+    version = ledger.special_version
+    cached = _SUMS.get(id(ledger))
+    if cached is not None and cached[0] == version and cached[1]() is ledger:
+        return list(cached[2]), cached[3]
+    still = [0] * _N
+    counted = 0
+    activation = _INDEX[Category.ACTIVATION]
+    for entry in list(ledger._special.values()):
+        if entry.device != _CPU:
+            continue
+        role = entry.category
+        if role is not None:
+            still[_INDEX[role]] += entry.nbytes
+        elif entry.saved:
+            still[activation] += entry.nbytes
+        else:
+            continue
+        counted += entry.nbytes
+    _SUMS.clear()  # (one ledger in practice: the process's)
+    _SUMS[id(ledger)] = (version, weakref.ref(ledger), tuple(still), counted)
+    return still, counted
+
+
+_SUMS: dict[int, tuple[int, Any, tuple[int, ...], int]] = {}
 
 
 def tally(
@@ -137,25 +168,23 @@ def tally(
     )
     high, _, _, missing, unplaced = out
     # what the region never touched: constant throughout, by the ledger's roles
-    still = [0] * _N
-    index = _INDEX
-    rest = ledger.total(_CPU)
+    still, counted = _special_sums(ledger)
+    rest = ledger.total(_CPU) - counted
+    special = ledger._special
+    activation = _INDEX[Category.ACTIVATION]
     for entry in touched.values():
         if entry.alive:
             rest -= entry.nbytes
-    activation = index[Category.ACTIVATION]
-    for entry in ledger._special.values():
-        if entry.serial in touched or entry.device != _CPU:
-            continue
-        role = entry.category
-        if role is not None:
-            still[index[role]] += entry.nbytes
-        elif entry.saved:
-            still[activation] += entry.nbytes
-        else:
-            continue
-        rest -= entry.nbytes
-    still[index[Category.OTHER]] += rest
+        if entry.device == _CPU and special.get(entry.serial) is entry:  # not untouched
+            role = entry.category
+            if role is not None:
+                still[_INDEX[role]] -= entry.nbytes
+            elif entry.saved:
+                still[activation] -= entry.nbytes
+            else:
+                continue
+            rest += entry.nbytes
+    still[_INDEX[Category.OTHER]] += rest
     before = before_base + frees.discovered  # (storages found here existed all along)
     row = list(cats)
     peak_row, end_row, high_row = {}, {}, {}

@@ -10,6 +10,8 @@ from typing import Any
 from torch.utils.weak import WeakIdKeyDictionary
 
 _ALIASES: list[Any] = []
+#: The buffer the library writes the objects' addresses into (grown as needed, kept).
+_OUT: list[Any] = [(ctypes.c_ssize_t * 64)()]
 _DECREF = ctypes.pythonapi.Py_DecRef
 _DECREF.argtypes = [ctypes.c_void_p]
 _DECREF.restype = None
@@ -31,7 +33,9 @@ def _objects(which: int, cap: int) -> list[Any]:
     # (through ctypes.PyDLL: the GIL is held throughout, so none of them dies meanwhile)
     if not _ALIASES or cap <= 0:
         return []
-    out = (ctypes.c_ssize_t * cap)()
+    out = _OUT[0]
+    if len(out) < cap:
+        out = _OUT[0] = (ctypes.c_ssize_t * max(64, 1 << (cap - 1).bit_length()))()
     n = _ALIASES[which](out, cap)  # each with a reference of its own, taken in the call
     found = []
     for i in range(n):

@@ -1149,7 +1149,7 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 5;
+  return 6;
 }
 
 #ifndef MN_MODE_KEY
@@ -1521,6 +1521,13 @@ int mn_uninstall(int keep_key) {
 int mn_saved_op() {
   std::lock_guard<std::mutex> g(mu);
   return register_saved_op();
+}
+
+// The op's kernel, for the pack hook written in C (pack.cpp): `out` gets what memlab::saved
+// would return for `in`. It throws where the op would (a subclass's detach() that raises).
+int mn_save_into(const at::Tensor* in, at::Tensor* out) {
+  *out = saved_kernel(*in);
+  return 0;
 }
 
 // The open region's storage (a torch.UntypedStorage's _cdata) plays role `code` (see marks).

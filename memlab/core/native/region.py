@@ -15,8 +15,8 @@ event's time and phase and what autograd saves. At the end the region is settled
   the frees of storages the ledger followed, each at its place in the allocator's order.
 
 A storage the ledger followed whose memory came from before the native record was first
-installed has no place in that order: its free is counted at the end of the region (the peak
-is never too low), and the report says so.
+installed has no place in that order: its free is counted at the region's end (the peak is
+never too low), and the report says so.
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ class NativeRegion:
         self.roles = roles
         #: What the region watches (`memlab.track`'s ``watch``), looked at at each end.
         self.watched: Callable[[], Iterable[Any]] = tuple
-        self._t0 = 0.0
-        self._saved = True
+        self._t0, self._saved = 0.0, True
         self._frees: Frees | None = None
         self._open = False
         self.before = 0
@@ -175,6 +174,7 @@ class NativeRegion:
             self._done(frees)
             raise
         self._done(frees)
+        self.watched = tuple  # (the front end's method: no cycle keeps the two alive)
 
     def _close_record(self) -> None:
         self._open = False
@@ -186,7 +186,8 @@ class NativeRegion:
             try:
                 restore_stance(self._stance)
             finally:
-                self._resizing.__exit__(None, None, None)
+                resizing, self._resizing = self._resizing, None
+                resizing.__exit__(None, None, None)  # (dropped: it holds this region)
 
     def _done(self, frees: Frees) -> None:
         if _OPEN and _OPEN[0] is self:

@@ -9,14 +9,14 @@ what only Python knows, through hooks that do little per call:
 * parameters and buffers, at each module call, told once per storage: a storage the ledger
   follows keeps its lasting role there, so the caches here live as long as the process (per
   ledger), not one region;
-* saved tensors: the pack hook is the library's own op (``memlab::saved``, called without a
-  Python frame), which logs the saving and returns an alias that logs when autograd lets it go;
+* saved tensors: the pack hook is a C function (`memlab.core.native.pack`; until it is built,
+  the library's own op ``memlab::saved``, called without a Python frame), which logs the saving
+  and returns an alias that logs when autograd lets it go;
 * the optimizers stepped, whose state is named at the region's end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import weakref
 from typing import Any
@@ -27,7 +27,9 @@ from memlab.core import _torch
 from memlab.core._torch_record import GlobalHooks, raw_op, storage_address
 from memlab.core.categories import PRIORITY, STICKY, Category
 from memlab.core.ledger import Ledger, storage_of
+from memlab.core.native import pack
 from memlab.core.native.objects import typed_tensors
+from memlab.core.native.outer import Outer
 from memlab.core.recorder import Phase
 from memlab.core.roles import Roles
 
@@ -68,16 +70,19 @@ class NativeRoles(Roles):
         self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
             weakref.WeakKeyDictionary()
         )
-        self._module_depth = 0
         self._optimizer_depth = 0
         self.labelled = 0
         self._cell = ctypes.c_int.in_dll(lib, "mn_py_phase")
-        self._stack = contextlib.ExitStack()
-        self._pack: Any = None
+        self._pack: Any = None  # (the pair in force: in C, or the op's and `_unpack`)
+        self._unpack: Any = _unpack
+        self._op: Any = None
+        self._pack_in = self._hooks_in = False  # (what `install` put in, for `uninstall`)
         self._open = False
         self._hooks = GlobalHooks(
             self._module_pre, self._module_post, self._optimizer_pre, self._optimizer_post
         )
+        #: The open module calls (the forward phase lasts while one is open).
+        self._outer = Outer(self._set_phase, self._hooks.install_post)
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self, saved: bool = True) -> None:
@@ -85,17 +90,17 @@ class NativeRoles(Roles):
         any failure, what was done is undone and the error raised."""
         self.errors = []
         self._prune()
-        self._module_depth = self._optimizer_depth = self.labelled = 0
+        self._optimizer_depth = self.labelled = 0
+        self._outer.reset()
         self._stepped.clear()
         self._set_phase()
-        stack = self._stack
         try:
-            stack.callback(self._hooks.remove)
-            self._hooks.install()
+            self._hooks_in = True
+            self._hooks.install(post=False)  # (the outermost call's own hook: `Outer`)
             if saved:
-                self._push_pack(stack)
+                self._push_pack()
         except BaseException:
-            stack.close()
+            self.uninstall()
             raise
         self._open = True
 
@@ -107,36 +112,55 @@ class NativeRoles(Roles):
             self._marked = {k: v for k, v in self._marked.items() if v() is not None}
             self._prune_at = 2 * len(self._leaf_refs) + 4096
 
-    def _push_pack(self, stack: contextlib.ExitStack) -> None:
+    def _push_pack(self) -> None:
         on = _torch.saved_tensors_hooks_on()
         if on is not None:  # only the top pair applies: the program's own stay in force
             self.errors.append(
                 "activations not tagged: the program's own saved_tensors_hooks are in force"
             )
             return
-        if self._pack is None:
-            if int(self.lib.mn_saved_op()) != 0:
-                self.errors.append("activations not tagged: memlab's op could not be registered")
-                return
-            self._pack = raw_op(torch.ops.memlab.saved.default)
+        # The hooks in C where the record follows ops at its dispatch key (which never sees
+        # memlab::saved: a composite op, gone above the key); through RecordFunction, which
+        # sees it read the saved tensor (as the dispatch mode sees its hook's detach()), the op.
+        in_c = pack.hooks() if int(self.lib.mn_route()) == 1 else None  # (None until built)
+        if in_c is not None:
+            self._pack, self._unpack = in_c
+        else:
+            if self._op is None:
+                if int(self.lib.mn_saved_op()) != 0:
+                    self.errors.append(
+                        "activations not tagged: memlab's op could not be registered"
+                    )
+                    return
+                self._op = raw_op(torch.ops.memlab.saved.default)
+            self._pack, self._unpack = self._op, _unpack
+        if not _PACK or _PACK[0] is not self._pack:
             _PACK[:] = [self._pack]
         try:
-            _torch.push_saved_tensors_hooks(self._pack, _unpack)
+            _torch.push_saved_tensors_hooks(self._pack, self._unpack)
         except RuntimeError as e:  # saved-tensor hooks disabled by the program (e.g. FSDP)
             self.errors.append(f"activations not tagged: {e}")
             return
-        stack.callback(self._remove_pack)
-
-    def _remove_pack(self) -> None:
-        if not _torch.remove_saved_tensors_hooks(self._pack):
-            self.errors.append("memlab's saved_tensors_hooks were removed by other code")
+        self._pack_in = True
 
     def uninstall(self) -> None:
+        """Takes out what `install` put in (each part once, whatever failed before it)."""
         self._open = False
         try:
-            self._stack.close()
+            if self._pack_in:
+                self._pack_in = False
+                if not _torch.remove_saved_tensors_hooks(self._pack):
+                    self.errors.append("memlab's saved_tensors_hooks were removed by other code")
         finally:
-            self._cell.value = Phase.OTHER
+            try:
+                if self._hooks_in:
+                    self._hooks_in = False
+                    self._hooks.remove()
+            finally:
+                try:
+                    self._outer.close()
+                finally:
+                    self._cell.value = Phase.OTHER
 
     # -- the phase ------------------------------------------------------------------------------
     def _set_phase(self) -> None:
@@ -144,7 +168,7 @@ class NativeRoles(Roles):
             phase = Phase.OPTIMIZER
         elif self.labelled:
             phase = self.labelled
-        elif self._module_depth:
+        elif self._outer.depth:
             phase = Phase.FORWARD
         else:
             phase = Phase.OTHER
@@ -184,9 +208,7 @@ class NativeRoles(Roles):
             self.mark(t, Category.PARAMETER)
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._module_depth += 1
-        if self._module_depth == 1:
-            self._set_phase()
+        self._outer.called(module)
         try:
             refs = self._leaf_refs
             for p in module._parameters.values():
@@ -202,9 +224,7 @@ class NativeRoles(Roles):
             self._error(e, "a module's roles not read")
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        depth = self._module_depth = max(0, self._module_depth - 1)
-        if depth == 0:
-            self._set_phase()
+        self._outer.returned_any()  # (the global forward hook: where `Outer` put it in)
 
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
@@ -226,8 +246,10 @@ class NativeRoles(Roles):
             if isinstance(t, torch.nn.Parameter):
                 self.mark(t, Category.PARAMETER)
         stepped, self._stepped = self._stepped, []
-        watched = list(self._optimizers)  # (named once by `watch`; their state may be new)
-        self._optimizers.clear()
+        watched: list[torch.optim.Optimizer] = []
+        if len(self._optimizers):  # (named once by `watch`; their state may be new)
+            watched = list(self._optimizers)
+            self._optimizers.clear()
         for opt in (*stepped, *(o for o in watched if not any(o is s for s in stepped))):
             try:
                 self._name_optimizer(opt)

@@ -64,6 +64,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         i64,
     ]
     lib.mn_points.restype = i64
-    if lib.mn_version() != 5:
+    if lib.mn_version() != 6:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib

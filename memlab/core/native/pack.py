@@ -1,0 +1,171 @@
+"""memlab's saved-tensor hooks in C (``pack.cpp``), built beside the record on first use.
+
+The pack hook runs once per tensor autograd saves; as two C functions the hooks cost about a
+microsecond less per saved tensor than a call of memlab's op through its Python binding (24
+saved tensors a step of an 8-layer MLP: 0.38 ms untracked, about 25 µs less with a breakdown,
+measured on the project's 2-core CPU machine, torch 2.13). Building them needs Python's headers
+besides PyTorch's; it runs on a thread of its own after the record is loaded, and until it is
+done (or where it cannot be done) the hooks call the op as before: the same figures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlab.core._torch_record import cxx11_abi
+
+_SOURCE = Path(__file__).with_name("pack.cpp")
+_lock = threading.Lock()
+_hooks: tuple[Any, Any] | None = None
+_why: str | None = None
+_tried = False
+_builder: list[threading.Thread] = []
+
+
+def hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair in C, or None where it is not built yet (never waits: a build
+    is started on a thread of its own) or cannot be."""
+    if _hooks is not None or _tried:
+        return _hooks
+    start()
+    return None
+
+
+def start() -> None:
+    """Loads the hooks now where they are built, else builds them on a thread of their own."""
+    if _hooks is not None or _tried:
+        return
+    if _target().is_file():
+        _load()
+        return
+    with _lock:
+        if not _builder:
+            thread = threading.Thread(target=_load, name="memlab-pack-build", daemon=True)
+            _builder.append(thread)
+            thread.start()
+
+
+def wait() -> str | None:
+    """Builds and loads the hooks, waiting for a build under way; None where they are loaded,
+    else why not (the benchmarks wait, so that they time the hooks a user gets)."""
+    start()
+    for thread in list(_builder):
+        thread.join()
+    if _hooks is None and not _tried:
+        _load()
+    return _why
+
+
+def _load() -> None:
+    global _hooks, _why, _tried
+    from memlab.core.native import library
+
+    with _lock:
+        if _tried:
+            return
+        try:
+            lib = library()
+            if lib is None:
+                raise RuntimeError("the native record is not loaded")
+            path = _build()
+            made = ctypes.PyDLL(str(path))
+            made.mnp_hooks.argtypes = [ctypes.c_void_p]
+            made.mnp_hooks.restype = ctypes.py_object
+            save = ctypes.cast(lib.mn_save_into, ctypes.c_void_p).value
+            pair = made.mnp_hooks(save)
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(map(callable, pair))):
+                raise RuntimeError(f"the library gave {pair!r}, not two hooks")
+            _hooks = pair
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _why = str(e) or type(e).__name__
+        _tried = True
+
+
+def _dirs() -> tuple[Path, Path, Path]:
+    root = Path(torch.__file__).parent
+    return root / "include", root / "lib", Path(sysconfig.get_paths()["include"])
+
+
+_TARGET: list[Path] = []
+
+
+def _target() -> Path:
+    from memlab.core.native import cache_dir
+
+    if not _TARGET:
+        include, _, python = _dirs()
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    _SOURCE.read_bytes(),
+                    torch.__version__.encode(),
+                    str(include).encode(),
+                    str(python).encode(),
+                    sys.version.encode(),
+                    bytes([int(cxx11_abi())]),
+                ]
+            )
+        ).hexdigest()[:16]
+        _TARGET.append(cache_dir() / f"pack-{key}.so")
+    return _TARGET[0]
+
+
+def _build() -> Path:
+    from memlab.core.native import _compiler
+
+    target = _target()
+    if target.is_file():
+        return target
+    include, lib, python = _dirs()
+    if not (python / "Python.h").is_file():
+        raise RuntimeError(f"no Python headers ({python}): install python3-dev")
+    if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
+        raise RuntimeError(f"this PyTorch has no Python-layer headers ({include})")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [
+        cxx,
+        "-O2",
+        "-DNDEBUG",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi())}",
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{python}",
+        str(_SOURCE),
+        "-o",
+        tmp,
+        f"-L{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch_python",
+        f"-Wl,-rpath,{lib}",
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"compiling the C hooks failed: {' / '.join(tail)}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
