@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import io
 import subprocess
 import sys
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -1028,3 +1029,122 @@ def test_a_model_deep_copied_in_a_region_after_its_forward_raised_copies_no_hook
         twin = copy.deepcopy(model)  # (a hook of ours would drag memlab's objects along)
     assert t._native is not None
     assert installed(model, twin)["models' own forward hooks"] == 0
+
+
+class OwnHook(nn.Module):
+    """A model with a forward hook of its own that runs ops (after any global hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.register_forward_hook(lambda m, a, out: (out * 2).sum())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class CopiesItself(nn.Linear):
+    """Deep-copies and pickles itself in its own forward (the hook of ours on it then)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.copies: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.copies:
+            self.copies.append(copy.deepcopy(self))
+            buf = io.BytesIO()
+            torch.save(self, buf)
+            self.copies.append(buf.getvalue())
+        return super().forward(x)
+
+
+class DropsHooks(nn.Linear):
+    """Replaces its forward-hook dict during its forward (as a helper stripping hooks does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._forward_hooks = OrderedDict()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("make", [OwnHook, CopiesItself])
+def test_phases_equal_the_dispatch_modes_with_a_models_own_hooks_and_copies(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = phases_of(False, monkeypatch, make)
+    fast = phases_of(True, monkeypatch, make)
+    assert fast == slow
+
+
+def test_a_copy_taken_during_the_outermost_call_carries_nothing_of_memlabs() -> None:
+    model = CopiesItself()
+    with track() as t:
+        model(torch.randn(2, 4))
+    assert t._native is not None and installed(model)["models' own forward hooks"] == 0
+    twin, pickled = model.copies
+    loaded = torch.load(io.BytesIO(pickled), weights_only=False)
+    for other in (twin, loaded):  # a hook that does nothing, not memlab's objects
+        hooks = list(other._forward_hooks.values())
+        assert all(getattr(h, "__module__", "") == "memlab.core.native.outer" for h in hooks)
+        assert all(h(other, (), None) is None for h in hooks)
+        other(torch.randn(2, 4))  # runs, untracked and tracked
+        with track():
+            other(torch.randn(2, 4))
+
+
+def test_a_forward_that_replaces_its_hook_dict_does_not_leave_the_region_in_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def run(native_on: bool) -> list[tuple[int, str]]:
+        use(native_on, monkeypatch)
+        first, second = DropsHooks(4, 4), nn.Linear(4, 4)
+        x = torch.randn(3, 4)
+        with track() as t:
+            first(x)
+            second(x)  # the next outermost call: from here the phases are right again
+            y = x * 5  # outside every module
+        check_path(t, native_on)
+        del y
+        return figures_of(t).up_phases()
+
+    fast = run(True)
+    assert fast[-1][1] == "other" and run(False)[-1][1] == "other"
+
+
+def test_a_build_of_the_hooks_in_c_under_way_never_holds_a_region_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """While the compiler runs (here a build that takes 2 s, then fails), breakdown regions
+    measure with the op at once; a failed build leaves the op for good, with the reason."""
+    import time
+
+    from memlab.core.native import pack
+
+    if native.unavailable() is not None:
+        pytest.skip(f"no native record here: {native.unavailable()}")
+
+    def slow_build() -> Any:
+        time.sleep(2.0)
+        raise RuntimeError("compiling the C hooks failed: (a test's)")
+
+    for name, value in (("_hooks", None), ("_why", None), ("_tried", False), ("_builder", [])):
+        monkeypatch.setattr(pack, name, value)
+    monkeypatch.setattr(pack, "_target", lambda: tmp_path / "not-built.so")
+    monkeypatch.setattr(pack, "_build", slow_build)
+    use(True, monkeypatch)
+    model, _, x, y = mlp()
+    took = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with track() as t:
+            nn.functional.cross_entropy(model(x), y).backward()
+        took.append(time.perf_counter() - t0)
+        check_path(t, True)
+        assert t.report.breakdown is not None
+    assert max(took) < 1.0, took  # none waited for the 2-second build
+    assert pack.hooks() is None
+    assert pack.wait() == "RuntimeError: compiling the C hooks failed: (a test's)"
+    assert pack.hooks() is None  # the op from here on
+    with track() as t:
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert t.report.breakdown is not None and t.report.breakdown.at_end

@@ -216,3 +216,34 @@ def test_the_timeline_keeps_its_peak_inside_and_its_legend_outside() -> None:
     assert peak < top
     legend = ax.get_legend()
     assert legend is not None and legend._bbox_to_anchor is not None  # placed beside the axes
+
+
+def test_a_deferred_timeline_is_the_timeline_it_makes() -> None:
+    """A region's timeline is made on first read: its length is known before, and equality,
+    pickling and copies see the same points; a long one is thinned when the report is made
+    (so an unread timeline keeps no more than a read one)."""
+    import copy
+    import pickle
+    from array import array
+
+    from memlab.core.recorder import Tally
+    from memlab.region.assemble import MAX_TIMELINE_POINTS, _timeline
+    from memlab.reports.report import Timeline
+
+    n = 3 * MAX_TIMELINE_POINTS
+    totals = array("q", [(i * 7919) % 1000 for i in range(n)])
+    totals[1234] = 10**6  # the peak survives the thinning
+    tally = Tally(0, 0, 10**6, None, None, None, array("d", range(n)), totals, array("b", [1] * n))
+    made = _timeline(tally, 5)
+    assert made is not None and "_points" in made.__dict__
+    kept = len(made)
+    assert kept <= MAX_TIMELINE_POINTS and "_points" in made.__dict__  # (still not made)
+    captured = made.__dict__["_points"].__closure__
+    assert all(
+        len(c.cell_contents) <= kept for c in captured if hasattr(c.cell_contents, "__len__")
+    )
+    eager = Timeline(made.seconds, made.allocated, made.phases, made.source)
+    assert made == eager and len(made.seconds) == kept and max(made.allocated) == 10**6 + 5
+    assert set(made.phases) == {"forward"} and "_points" not in made.__dict__
+    again = _timeline(tally, 5)
+    assert pickle.loads(pickle.dumps(again)) == eager == copy.deepcopy(_timeline(tally, 5))

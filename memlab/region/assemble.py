@@ -3,6 +3,7 @@ tensor accounting's tally (categories, timeline)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,26 +109,25 @@ def thin(values: Sequence[int], limit: int = MAX_TIMELINE_POINTS) -> list[int]:
 
 
 def _timeline(tally: Tally, offset: int) -> Timeline | None:
-    """The tally's timeline, offset by ``offset`` bytes; its tuples are made when first read."""
+    """The tally's timeline, offset by ``offset`` bytes, thinned now (what it keeps is small);
+    its tuples are made when first read."""
     times, totals, phases = tally.times, tally.totals, tally.phases
     if times is None or totals is None or phases is None:
         return None
-    n = len(totals) if len(totals) <= MAX_TIMELINE_POINTS else len(thin(totals))
+    if len(totals) > MAX_TIMELINE_POINTS:
+        keep = thin(totals)
+        times = array("d", [times[i] for i in keep])
+        totals = array("q", [totals[i] for i in keep])
+        phases = array("b", [phases[i] for i in keep])
     return Timeline.deferred(
-        lambda: _points(times, totals, phases, offset), n, TimelineSource.TENSOR_ACCOUNTING
+        lambda: _points(times, totals, phases, offset),
+        len(totals),
+        TimelineSource.TENSOR_ACCOUNTING,
     )
 
 
 def _points(
     times: Sequence[float], totals: Sequence[int], phases: Sequence[int], offset: int
 ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[str, ...]]:
-    names = Phase.NAMES.__getitem__
-    if len(totals) <= MAX_TIMELINE_POINTS:  # every point: no index per point
-        shifted = totals if not offset else (v + offset for v in totals)
-        return tuple(times), tuple(shifted), tuple(map(names, phases))
-    keep = thin(totals)
-    return (
-        tuple(times[i] for i in keep),
-        tuple(totals[i] + offset for i in keep),
-        tuple(names(phases[i]) for i in keep),
-    )
+    shifted = totals if not offset else (v + offset for v in totals)
+    return tuple(times), tuple(shifted), tuple(map(Phase.NAMES.__getitem__, phases))

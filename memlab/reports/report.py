@@ -83,13 +83,17 @@ class Timeline:
 
     def __getattr__(self, name: str) -> Any:
         # (only for an attribute not set: the points of a deferred timeline, made here once)
-        points = self.__dict__.get("_points")
-        if points is None or name not in _POINT_FIELDS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        for field_name, value in zip(_POINT_FIELDS, points(), strict=True):
-            object.__setattr__(self, field_name, value)
-        self.__dict__.pop("_points", None)
-        return self.__dict__[name]
+        found = self.__dict__
+        if name in _POINT_FIELDS:
+            if name in found:  # (made by another thread meanwhile)
+                return found[name]
+            points = found.get("_points")
+            if points is not None:
+                for field_name, value in zip(_POINT_FIELDS, points(), strict=True):
+                    object.__setattr__(self, field_name, value)
+                found.pop("_points", None)
+                return found[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __getstate__(self) -> dict[str, Any]:
         # (pickled and copied with its points made: the maker is a closure)

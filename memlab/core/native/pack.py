@@ -43,7 +43,8 @@ def hooks() -> tuple[Any, Any] | None:
 
 
 def start() -> None:
-    """Loads the hooks now where they are built, else builds them on a thread of their own."""
+    """Loads the hooks now where they are built (milliseconds), else builds them on a thread of
+    their own; never waits for a build."""
     if _hooks is not None or _tried:
         return
     if _target().is_file():
@@ -68,28 +69,30 @@ def wait() -> str | None:
 
 
 def _load() -> None:
+    """Builds (where needed) and loads the hooks; no lock is held while the compiler runs."""
     global _hooks, _why, _tried
     from memlab.core.native import library
 
+    pair: tuple[Any, Any] | None = None
+    why: str | None = None
+    try:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the native record is not loaded")
+        path = _build()
+        made = ctypes.PyDLL(str(path))
+        made.mnp_hooks.argtypes = [ctypes.c_void_p]
+        made.mnp_hooks.restype = ctypes.py_object
+        save = ctypes.cast(lib.mn_save_into, ctypes.c_void_p).value
+        got = made.mnp_hooks(save)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(map(callable, got))):
+            raise RuntimeError(f"the library gave {got!r}, not two hooks")
+        pair = got
+    except Exception as e:  # (any failure: the op stands in, as where it cannot be built)
+        why = f"{type(e).__name__}: {e}"
     with _lock:
-        if _tried:
-            return
-        try:
-            lib = library()
-            if lib is None:
-                raise RuntimeError("the native record is not loaded")
-            path = _build()
-            made = ctypes.PyDLL(str(path))
-            made.mnp_hooks.argtypes = [ctypes.c_void_p]
-            made.mnp_hooks.restype = ctypes.py_object
-            save = ctypes.cast(lib.mn_save_into, ctypes.c_void_p).value
-            pair = made.mnp_hooks(save)
-            if not (isinstance(pair, tuple) and len(pair) == 2 and all(map(callable, pair))):
-                raise RuntimeError(f"the library gave {pair!r}, not two hooks")
-            _hooks = pair
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _why = str(e) or type(e).__name__
-        _tried = True
+        if not _tried:
+            _hooks, _why, _tried = pair, why, True
 
 
 def _dirs() -> tuple[Path, Path, Path]:
