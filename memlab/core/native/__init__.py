@@ -239,7 +239,9 @@ def uninstall(keep_fallback: bool = False) -> bool:
     dispatch-key fallback out (no region may be open). True where nothing of the record stays
     installed. ``keep_fallback``: the fallback stays (it does nothing while no region is open;
     the benchmarks' untracked anchor, which would otherwise pay a millisecond to register it
-    again at every round)."""
+    again at every round), and so do the storages the record knows the ledger holds (and
+    with which lasting role): the ledger is the same when the next region puts the wrapper
+    back in, which would otherwise read every parameter's role again once."""
     if _lib is None:
         return True
     return int(_lib.mn_uninstall(int(keep_fallback))) == 0

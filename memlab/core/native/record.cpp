@@ -1085,6 +1085,15 @@ bool survives(const Alloc& a) {
   return a.storage != nullptr && (a.free_seq < 0 || moved_out(a));
 }
 
+// Empties a container that holds something (an unordered one's clear() zeroes its whole
+// bucket array, as large as the largest region made it, even where it holds nothing).
+template <class C>
+void empty_out(C& c) {
+  if (!c.empty()) {
+    c.clear();
+  }
+}
+
 void drop_weak_refs() {
   for (Alloc& a : allocs) {
     if (a.storage != nullptr) {
@@ -1098,16 +1107,16 @@ void drop_weak_refs() {
   for (c10::StorageImpl* s : read_seen) {
     to_release.push_back(s);
   }
-  allocs.clear();
-  earlier_frees.clear();
-  reads.clear();
-  read_seen.clear();
-  read_index.clear();
-  reported_reads.clear();
-  moves.clear();
-  adopted_alive.clear();
-  current.clear();
-  resizes.clear();
+  empty_out(allocs);
+  empty_out(earlier_frees);
+  empty_out(reads);
+  empty_out(read_seen);
+  empty_out(read_index);
+  empty_out(reported_reads);
+  empty_out(moves);
+  empty_out(adopted_alive);
+  empty_out(current);
+  empty_out(resizes);
   for (auto& kv : marks) {
     to_release.push_back(kv.first);
   }
@@ -1117,7 +1126,7 @@ void drop_weak_refs() {
   for (c10::StorageImpl* s : resize_keys) {
     to_release.push_back(s);
   }
-  resize_keys.clear();
+  empty_out(resize_keys);
   for (c10::TensorImpl* t : leaves) {
     to_release_impls.push_back(t);
   }
@@ -1126,20 +1135,20 @@ void drop_weak_refs() {
       to_release_impls.push_back(kv.second.reader);
     }
   }
-  fresh_older.clear();
-  marks.clear();
-  save_keys.clear();
-  leaves.clear();
-  saves.clear();
-  older.clear();
-  adopted_keys.clear();
+  empty_out(fresh_older);
+  empty_out(marks);
+  empty_out(save_keys);
+  empty_out(leaves);
+  empty_out(saves);
+  empty_out(older);
+  empty_out(adopted_keys);
   aliases.clear();  // (those alive were handed to the ledger; each still logs when it goes)
-  older_order.clear();
-  ev_ns.clear();
-  ev_phase.clear();
+  empty_out(older_order);
+  empty_out(ev_ns);
+  empty_out(ev_phase);
   grads_queued = false;
   queued_task = -1;
-  walked.clear();
+  empty_out(walked);
   marked = 0;
   seq = 0;
 }
@@ -1492,7 +1501,9 @@ int uninstall_locked(int keep_key) {
     return 1;
   }
   drop_weak_refs();
-  forget_reported();
+  if (keep_key == 0) {  // (kept for the benchmarks' anchor: the ledger is the same after it)
+    forget_reported();
+  }
 #ifdef MN_MODE_KEY
   if (keep_key == 0) {
     unregister_key_fallback();
@@ -1748,6 +1759,9 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   std::lock_guard<std::mutex> g(mu);
   std::vector<Ent> ents;
   std::unordered_map<c10::StorageImpl*, int32_t> by_storage;
+  const size_t most = allocs.size() + saves.size() + older_order.size() + moves.size() + 1;
+  ents.reserve(most + static_cast<size_t>(n));
+  by_storage.reserve(most);
   std::unordered_map<uintptr_t, int32_t> by_ptr;  // storages from before, by block
   auto ent_of = [&](c10::StorageImpl* s) -> int32_t {
     auto it = by_storage.find(s);
