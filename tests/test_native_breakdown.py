@@ -157,6 +157,15 @@ def check_path(t: memlab.track, native_on: bool, route: str = "dispatch key") ->
             assert native.route() == route
 
 
+def sizes_of(model: nn.Module, opt: torch.optim.Optimizer, *inputs: torch.Tensor) -> dict[str, int]:
+    """Bytes of the model's parameters, of the optimizer's state, and of the inputs."""
+    return {
+        "params": nbytes(model.parameters()),
+        "state": nbytes(state_tensors(opt)),
+        "x": sum(t.nbytes for t in inputs),
+    }
+
+
 def readable(d: dict[Category, int]) -> dict[str, int]:
     return {str(c): v for c, v in d.items()}
 
@@ -350,11 +359,7 @@ def forward_backward_step_in_three_regions(
     regions.append(t)
     for t in regions:
         check_path(t, native_on)
-    sizes = {
-        "params": nbytes(model.parameters()),
-        "state": nbytes(state_tensors(opt)),
-        "x": x.nbytes + y.nbytes,
-    }
+    sizes = sizes_of(model, opt, x, y)
     return [figures_of(t) for t in regions], sizes
 
 
@@ -415,11 +420,7 @@ def model_born_in_a_region(
     regions.append(t)
     for t in regions:
         check_path(t, native_on)
-    sizes = {
-        "params": nbytes(held["model"].parameters()),
-        "state": nbytes(state_tensors(held["opt"])),
-        "x": x.nbytes + y.nbytes,
-    }
+    sizes = sizes_of(held["model"], held["opt"], x, y)
     return [figures_of(t) for t in regions], sizes
 
 
@@ -652,11 +653,7 @@ def graph_dropped_between(
         opt.zero_grad(set_to_none=True)
     check_path(first, native_on)
     check_path(second, native_on)
-    sizes = {
-        "params": nbytes(model.parameters()),
-        "state": nbytes(state_tensors(opt)),
-        "x": x.nbytes + y.nbytes,
-    }
+    sizes = sizes_of(model, opt, x, y)
     return [figures_of(first), figures_of(second)], sizes
 
 

@@ -10,19 +10,15 @@ and memlab measures with its Python dispatch mode instead: the same figures, at 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
-import torch
-
-from memlab.core._torch_record import cxx11_abi
+from memlab.core.native.build import compile_library, library_path
+from memlab.core.native.build import torch_dirs as _torch_dirs
 from memlab.core.native.signatures import declare
 
 _SOURCE = Path(__file__).with_name("record.cpp")
@@ -119,92 +115,26 @@ def _built() -> bool:
         return False
 
 
-def _torch_dirs() -> tuple[Path, Path]:
-    root = Path(torch.__file__).parent
-    return root / "include", root / "lib"
-
-
-def _compiler() -> str | None:
-    cxx = os.environ.get("CXX")
-    return shutil.which(cxx) if cxx else shutil.which("c++") or shutil.which("g++")
-
-
-_TARGETS: dict[Path, Path] = {}
-
-
 def _target() -> Path:
     """Where this PyTorch's build of the library lives in the cache."""
-    cache = cache_dir()
-    found = _TARGETS.get(cache)
-    if found is None:
-        include = _torch_dirs()[0]
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    _SOURCE.read_bytes(),
-                    torch.__version__.encode(),
-                    str(include).encode(),
-                    bytes([int(cxx11_abi())]),
-                ]
-            )
-        ).hexdigest()[:16]
-        found = _TARGETS[cache] = cache / f"record-{key}.so"
-    return found
+    return library_path(cache_dir(), "record", _SOURCE)
 
 
 def _build() -> Path:
     if not sys.platform.startswith("linux"):
         raise RuntimeError(f"built on Linux only (this is {sys.platform})")
-    include, lib = _torch_dirs()
+    include = _torch_dirs()[0]
     if not (include / "ATen" / "record_function.h").is_file():
         raise RuntimeError(f"this PyTorch has no C++ headers ({include})")
     target = _target()
     if target.is_file():
         return target
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    abi = int(cxx11_abi())
     # the dispatch-key route where this PyTorch has the key it uses (see record.cpp)
-    key = ["-DMN_MODE_KEY"] if has_mode_key(include) else []
+    flags = ["-DMN_MODE_KEY"] if has_mode_key(include) else []
     # the breakdown where a tensor's Python object can be read from C++ (see mn_aliases)
-    key += (
-        ["-DMN_LOAD_PYOBJ"]
-        if _declares(include, "c10/core/impl/PyObjectSlot.h", "load_pyobj")
-        else []
-    )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [
-        cxx,
-        "-O2",
-        "-DNDEBUG",  # as PyTorch is built: some of its classes have debug-only fields
-        "-shared",
-        "-fPIC",
-        "-std=c++17",
-        "-w",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        f"-I{include}",
-        *key,
-        str(_SOURCE),
-        "-o",
-        tmp,
-        f"-L{lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{lib}",
-    ]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"compiling it failed: {' / '.join(tail)}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    if _declares(include, "c10/core/impl/PyObjectSlot.h", "load_pyobj"):
+        flags.append("-DMN_LOAD_PYOBJ")
+    return compile_library(_SOURCE, target, flags, ["c10", "torch_cpu"], "it")
 
 
 def has_mode_key(include: Path) -> bool:

@@ -11,19 +11,13 @@ done (or where it cannot be done) the hooks call the op as before: the same figu
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from memlab.core._torch_record import cxx11_abi
+from memlab.core.native.build import compile_library, library_path, torch_dirs
 
 _SOURCE = Path(__file__).with_name("pack.cpp")
 _lock = threading.Lock()
@@ -95,80 +89,26 @@ def _load() -> None:
             _hooks, _why, _tried = pair, why, True
 
 
-def _dirs() -> tuple[Path, Path, Path]:
-    root = Path(torch.__file__).parent
-    return root / "include", root / "lib", Path(sysconfig.get_paths()["include"])
-
-
-_TARGET: list[Path] = []
+def _python_include() -> Path:
+    return Path(sysconfig.get_paths()["include"])
 
 
 def _target() -> Path:
     from memlab.core.native import cache_dir
 
-    if not _TARGET:
-        include, _, python = _dirs()
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    _SOURCE.read_bytes(),
-                    torch.__version__.encode(),
-                    str(include).encode(),
-                    str(python).encode(),
-                    sys.version.encode(),
-                    bytes([int(cxx11_abi())]),
-                ]
-            )
-        ).hexdigest()[:16]
-        _TARGET.append(cache_dir() / f"pack-{key}.so")
-    return _TARGET[0]
+    # (Python's headers and version too: the hooks are built against its C API)
+    return library_path(cache_dir(), "pack", _SOURCE, str(_python_include()), sys.version)
 
 
 def _build() -> Path:
-    from memlab.core.native import _compiler
-
     target = _target()
     if target.is_file():
         return target
-    include, lib, python = _dirs()
+    include, python = torch_dirs()[0], _python_include()
     if not (python / "Python.h").is_file():
         raise RuntimeError(f"no Python headers ({python}): install python3-dev")
     if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
         raise RuntimeError(f"this PyTorch has no Python-layer headers ({include})")
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [
-        cxx,
-        "-O2",
-        "-DNDEBUG",
-        "-shared",
-        "-fPIC",
-        "-std=c++17",
-        "-w",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi())}",
-        f"-I{include}",
-        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
-        f"-I{python}",
-        str(_SOURCE),
-        "-o",
-        tmp,
-        f"-L{lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        "-ltorch_python",
-        f"-Wl,-rpath,{lib}",
-    ]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"compiling the C hooks failed: {' / '.join(tail)}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    flags = [f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{python}"]
+    libs = ["c10", "torch_cpu", "torch_python"]
+    return compile_library(_SOURCE, target, flags, libs, "the C hooks")
