@@ -6,6 +6,7 @@ imported by the pieces that use them. ``%load_ext memlab`` adds the ``%%gpumem``
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from memlab.core.categories import Category
@@ -42,18 +43,14 @@ __all__ = [
 ]
 
 
-#: Parts of memlab reachable as attributes after ``import memlab``, imported when first used.
-_SUBPACKAGES = (
-    "whatif",
-    "step",
-    "estimate",
-    "panel",
-    "examples",
-    "graphs",
-    "reports",
-    "course",
-    "snapshot",
-)
+def _is_part(name: str) -> bool:
+    """Whether ``name`` is one of memlab's own modules or packages (``memlab.distributed``,
+    ``memlab.whatif``, ...): each is reachable as an attribute after ``import memlab``, imported
+    when first used."""
+    if not name.isidentifier() or name.startswith("_"):
+        return False
+    here = Path(__file__).parent
+    return (here / name / "__init__.py").is_file() or (here / f"{name}.py").is_file()
 
 
 def __getattr__(name: str) -> Any:
@@ -66,7 +63,7 @@ def __getattr__(name: str) -> Any:
         from memlab.snapshot import load_snapshot
 
         return load_snapshot
-    if name in _SUBPACKAGES:  # memlab.whatif.run(...) after a plain `import memlab`
+    if _is_part(name):  # memlab.whatif.run(...) after a plain `import memlab`
         import importlib
 
         return importlib.import_module(f"memlab.{name}")

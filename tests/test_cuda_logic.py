@@ -54,6 +54,19 @@ class FakeAllocator:
         self.reads += 1
         return dict(self.stats[device])
 
+    def nested(self, device: int) -> dict[str, Any]:
+        """The same counters as the allocator's nested statistics (``memory_stats`` flattens
+        these into "allocated_bytes.all.current" and the like)."""
+        self.reads += 1
+        out: dict[str, Any] = {}
+        for key, value in self.stats[device].items():
+            *path, last = key.split(".")
+            level = out
+            for part in path:
+                level = level.setdefault(part, {})
+            level[last] = value
+        return out
+
     def reset_peak(self, device: int) -> None:
         self.resets += 1
         s = self.stats[device]
@@ -70,6 +83,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeAllocator:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_stats", a.memory_stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", a.nested)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", a.reset_peak)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * MiB, 80 * MiB))
     CudaRegion._open.clear()

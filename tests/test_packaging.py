@@ -31,6 +31,33 @@ def test_import_memlab_pulls_in_nothing_heavy() -> None:
     assert heavy == "[]"
 
 
+def test_every_part_of_memlab_is_reachable_after_a_plain_import() -> None:
+    """``import memlab`` then ``memlab.distributed.launch(...)`` (as the docs write it): every
+    module and package of memlab is an attribute, imported when first used; other names are
+    still an AttributeError."""
+    import pkgutil
+
+    import memlab
+
+    names = sorted(m.name for m in pkgutil.iter_modules(memlab.__path__) if m.name[0] != "_")
+    assert {"distributed", "whatif", "estimate", "snapshot"} <= set(names)
+    out = python(
+        "import sys, memlab\n"
+        f"for name in {names!r}:\n"
+        "    print(name, getattr(memlab, name).__name__ == 'memlab.' + name)\n"
+        "for name in ('nope', '_torch', 'os'):\n"
+        "    try:\n"
+        "        getattr(memlab, name)\n"
+        "    except AttributeError:\n"
+        "        print(name, 'refused')\n"
+    )
+    assert out.splitlines() == [f"{n} True" for n in names] + [
+        "nope refused",
+        "_torch refused",
+        "os refused",
+    ]
+
+
 def test_loading_the_extension_does_not_initialise_cuda_or_change_the_process() -> None:
     out = python(
         "import os, sys, torch, warnings\n"
@@ -117,3 +144,17 @@ def test_memlab_never_calls_what_would_change_the_users_process() -> None:
 def test_torchviz_imports_with_the_declared_dependencies() -> None:
     # torchviz still imports distutils, which Python 3.12 removed (setuptools provides it there)
     assert python("import torchviz; print(callable(torchviz.make_dot))") == "True"
+
+
+def test_the_native_record_is_used_from_the_pytorch_it_is_checked_on() -> None:
+    """Older PyTorch releases build it, but its figures part from the dispatch mode's there:
+    the reason names the version and what measures instead; a version it cannot read is left to
+    the build and self-check."""
+    from memlab.core.native import OLDEST, too_old
+
+    assert OLDEST == (2, 13)
+    for fine in ("2.13.0+cpu", "2.13.0a0+git1234", "2.14.1", "3.0", "nightly"):
+        assert too_old(fine) is None, fine
+    for old in ("2.11.0+cu130", "2.4.1", "1.13.1"):
+        said = too_old(old)
+        assert said is not None and old in said and "dispatch mode measures" in said, old

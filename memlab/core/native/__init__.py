@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+
 from memlab.core.native.build import compile_library, library_path
 from memlab.core.native.build import torch_dirs as _torch_dirs
 from memlab.core.native.signatures import declare
@@ -26,6 +28,26 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _tried = False
+
+
+#: The oldest PyTorch the record is checked on (its own tests pass there). It builds and runs
+#: on 2.4 to 2.12 too, but on 2.11 its figures part from the dispatch mode's for a wrapper
+#: subclass's ops, a program's own dispatch mode left on past the region, and the timeline of a
+#: checkpointed step: there the dispatch mode measures.
+OLDEST = (2, 13)
+
+
+def too_old(version: str | None = None) -> str | None:
+    """Why the record is not used with this PyTorch (``torch.__version__`` by default), or None
+    where it is recent enough (a version it cannot read is left to the build and self-check)."""
+    version = str(torch.__version__ if version is None else version)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= OLDEST:
+        return None
+    return (
+        f"PyTorch {version} is older than {OLDEST[0]}.{OLDEST[1]}, the oldest the native record "
+        "is checked on: the dispatch mode measures (the same figures, at more cost per op)"
+    )
 
 
 def cache_dir() -> Path:
@@ -65,6 +87,10 @@ def library(wait: bool = True) -> ctypes.CDLL | None:
         _why = "turned off (MEMLAB_NATIVE=0)"
         return None
     if _tried:
+        return None
+    old = too_old()
+    if old is not None:
+        _why, _tried = old, True
         return None
     if not wait and not _built():
         _build_in_background()
@@ -132,7 +158,7 @@ def _build() -> Path:
     # the dispatch-key route where this PyTorch has the key it uses (see record.cpp)
     flags = ["-DMN_MODE_KEY"] if has_mode_key(include) else []
     # the breakdown where a tensor's Python object can be read from C++ (see mn_aliases)
-    if _declares(include, "c10/core/impl/PyObjectSlot.h", "load_pyobj"):
+    if reads_python_objects(include):
         flags.append("-DMN_LOAD_PYOBJ")
     return compile_library(_SOURCE, target, flags, ["c10", "torch_cpu"], "it")
 
@@ -148,9 +174,20 @@ def has_mode_key(include: Path) -> bool:
     return re.search(r"^\s*Fake,", text, re.MULTILINE) is not None
 
 
-def _declares(include: Path, header: str, name: str) -> bool:
+def reads_python_objects(include: Path) -> bool:
+    """Whether this PyTorch lets C++ read a tensor's Python object and take a reference to it
+    without the Python layer (PyTorch 2.10 and later: ``PyObjectSlot::load_pyobj()`` and
+    ``getGlobalPyInterpreter()``), as the record's breakdown does. Earlier ones name a
+    ``load_pyobj_interpreter`` that does something else; there, a breakdown is the dispatch
+    mode's."""
+    return _declares(
+        include, "c10/core/impl/PyObjectSlot.h", r"PyObject\*\s+load_pyobj\(\)"
+    ) and _declares(include, "c10/core/impl/PyInterpreterHooks.h", r"\bgetGlobalPyInterpreter\(")
+
+
+def _declares(include: Path, header: str, pattern: str) -> bool:
     try:
-        return name in (include / header).read_text(errors="replace")
+        return re.search(pattern, (include / header).read_text(errors="replace")) is not None
     except OSError:
         return False
 

@@ -789,8 +789,9 @@ void after_backward() {
 
 // The first op of a backward: the leaves its graph reaches (a region that runs only backward
 // never saw the forward's inputs; nodes walked before in the region are not walked again).
-// Under `mu`; returns whether a callback is to be queued.
-bool backward_begins(const c10::intrusive_ptr<torch::autograd::Node>& node) {
+// Under `mu`; returns whether a callback is to be queued. (A plain pointer: PyTorch holds
+// nodes in a shared_ptr up to 2.12 and in an intrusive_ptr from 2.13.)
+bool backward_begins(torch::autograd::Node* node) {
   if (node == nullptr) {
     return false;
   }
@@ -800,10 +801,10 @@ bool backward_begins(const c10::intrusive_ptr<torch::autograd::Node>& node) {
   }
   grads_queued = true;
   queued_task = task;
-  if (!walked.insert(node.get()).second) {
+  if (!walked.insert(node).second) {
     return true;
   }
-  std::vector<torch::autograd::Node*> todo{node.get()};
+  std::vector<torch::autograd::Node*> todo{node};
   std::unordered_set<torch::autograd::Node*>& met = walked;
   while (!todo.empty()) {
     torch::autograd::Node* n = todo.back();
@@ -878,7 +879,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (subclass) {  // are seen, as a dispatch mode above the subclass sees them
     running.back() = 1;
   }
-  const bool queue = keep && backward_begins(torch::autograd::get_current_node());
+  const bool queue = keep && backward_begins(torch::autograd::get_current_node().get());
   g.unlock();
   if (queue) {
     queue_after_backward();
@@ -952,7 +953,7 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
       if (keep) {
         auto node = torch::autograd::get_current_node();
         op_phase = node != nullptr ? kBackward : static_cast<int8_t>(mn_py_phase);
-        queue = backward_begins(node);
+        queue = backward_begins(node.get());
       }
     }
   }
