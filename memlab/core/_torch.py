@@ -98,7 +98,7 @@ def destroy_library(library: torch.library.Library) -> None:
 
 def impl_over_composite(library: torch.library.Library, name: str, fn: Any, key: str) -> None:
     """``library.impl``, also for Meta over a composite kernel and over a meta kernel PyTorch
-    registered from Python (both refused there: the latter on 2.8-2.12). Checked 2.11, 2.13."""
+    registered from Python (both refused there: the latter on 2.11). Checked 2.11, 2.13."""
     library.m.impl(name, key, fn, False)  # type: ignore[union-attr]
 
 

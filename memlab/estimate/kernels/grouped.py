@@ -55,8 +55,8 @@ def grouped_mm_kernels() -> Iterator[None]:
         return
     library = torch.library.Library("aten", "IMPL")
     try:
-        # (below Library.impl: PyTorch 2.8-2.12 register a meta kernel of their own from Python
-        # and refuse a second one there, 2.13 takes it; ours stands in for the block alone)
+        # (below Library.impl: PyTorch 2.11 registers a meta kernel of its own from Python
+        # and refuses a second one there, 2.13 takes it; ours stands in for the block alone)
         _torch.impl_over_composite(library, GROUPED_MM, grouped_mm_meta, "Meta")
         yield
     finally:
