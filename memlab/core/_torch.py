@@ -97,8 +97,7 @@ def destroy_library(library: torch.library.Library) -> None:
 
 
 def impl_over_composite(library: torch.library.Library, name: str, fn: Any, key: str) -> None:
-    """``library.impl``, also for Meta over a composite kernel and over a meta kernel PyTorch
-    registered from Python (both refused there: the latter on 2.11). Checked 2.11, 2.13."""
+    """``library.impl``, also over a composite or Python meta kernel (refused). 2.11, 2.13."""
     library.m.impl(name, key, fn, False)  # type: ignore[union-attr]
 
 
