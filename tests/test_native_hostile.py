@@ -93,7 +93,7 @@ def _child(code: str, timeout: float = 120) -> dict[str, Any]:
 # -- the program's own code: custom ops, autograd functions, scripts, hooks ---------------------
 
 
-@torch.library.custom_op("memlab_hostile::scaled", mutates_args=())
+@torch.library.custom_op("memlab_hostile::scaled", mutates_args=(), schema="(Tensor x) -> Tensor")
 def scaled(x: torch.Tensor) -> torch.Tensor:
     scratch = x * 3  # a temporary of the kernel's own (below the key: not the accounting's)
     return scratch - x
@@ -111,7 +111,9 @@ def _scaled_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 scaled.register_autograd(lambda ctx, g: g * 2, setup_context=_scaled_setup)
 
 
-@torch.library.custom_op("memlab_hostile::interrupted", mutates_args=())
+@torch.library.custom_op(
+    "memlab_hostile::interrupted", mutates_args=(), schema="(Tensor x) -> Tensor"
+)
 def interrupted(x: torch.Tensor) -> torch.Tensor:
     x * 2  # allocates below the key, then Ctrl-C arrives inside the op
     raise KeyboardInterrupt
