@@ -448,3 +448,24 @@ def test_iter_nodes_walks_a_deep_graph_without_recursion() -> None:
     nodes = list(iter_nodes([y.grad_fn, None]))
     assert len(nodes) == 5001  # 5000 MulBackward0 and x's AccumulateGrad, each once
     assert sum(type(n).__name__ == "AccumulateGrad" for n in nodes) == 1
+
+
+def test_code_that_replaces_the_saved_tensor_hooks_refusal_in_a_region_keeps_its_own() -> None:
+    """A breakdown region puts its own `memlab.core.transforms.StepAside` in place of
+    ``torch.autograd.graph.disable_saved_tensors_hooks``; what the program put there during the
+    region stays after it (memlab removes only what it installed)."""
+    original = torch.autograd.graph.disable_saved_tensors_hooks
+
+    def theirs(message: str) -> Any:
+        return original(message)
+
+    try:
+        with cpu(breakdown=True):
+            assert torch.autograd.graph.disable_saved_tensors_hooks is not original
+            torch.autograd.graph.disable_saved_tensors_hooks = theirs
+        assert torch.autograd.graph.disable_saved_tensors_hooks is theirs
+        with cpu(breakdown=True):  # and a later region leaves it too
+            pass
+        assert torch.autograd.graph.disable_saved_tensors_hooks is theirs
+    finally:
+        torch.autograd.graph.disable_saved_tensors_hooks = original

@@ -168,6 +168,7 @@ def global_state() -> dict[str, Any]:
             dict(optimizer_module._global_optimizer_post_hooks),
         ),
         "checkpoint": torch.utils.checkpoint.checkpoint,
+        "saved-tensor hooks refused": torch.autograd.graph.disable_saved_tensors_hooks,
         "random state": torch.get_rng_state().tolist(),
     }
 

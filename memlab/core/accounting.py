@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import _torch
+from memlab.core import _torch, transforms
 from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
@@ -151,8 +151,10 @@ class Accountant(Roles):
             self.errors.append(f"activations not tagged: {e}")
             return
         self._stack.callback(self._remove_saved_tensors_hooks)
+        transforms.install(self._pack, self._stepped_aside)
 
     def _remove_saved_tensors_hooks(self) -> None:
+        transforms.uninstall(self._pack)
         if not _torch.remove_saved_tensors_hooks(self._pack):
             self.errors.append("memlab's saved_tensors_hooks were removed by other code")
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memlab.core import transforms
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
 
@@ -27,6 +28,12 @@ class Roles:
     _leaf_refs: dict[int, tuple[weakref.ref[torch.Tensor], Any]]
     #: (storage id, role) -> weak reference to the storage, for each role told the ledger.
     _marked: dict[tuple[int, Category], weakref.ref[torch.UntypedStorage]]
+
+    def _stepped_aside(self) -> None:
+        """memlab's saved-tensor hooks stepped aside for a torch.func transform (see
+        `memlab.core.transforms`): said once in the region's notes."""
+        if transforms.NOTE not in self.errors:
+            self.errors.append(transforms.NOTE)
 
     def _remember_leaf(self, t: torch.Tensor, storage: object = None) -> None:
         # Once per leaf and storage in a region: the same parameters come back at every op

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memlab.core import _torch
+from memlab.core import _torch, transforms
 from memlab.core._torch_record import GlobalHooks, raw_op, storage_address
 from memlab.core.categories import PRIORITY, STICKY, Category
 from memlab.core.ledger import Ledger, storage_of
@@ -142,6 +142,7 @@ class NativeRoles(Roles):
             self.errors.append(f"activations not tagged: {e}")
             return
         self._pack_in = True
+        transforms.install(self._pack, self._stepped_aside)
 
     def uninstall(self) -> None:
         """Takes out what `install` put in (each part once, whatever failed before it)."""
@@ -149,6 +150,7 @@ class NativeRoles(Roles):
         try:
             if self._pack_in:
                 self._pack_in = False
+                transforms.uninstall(self._pack)
                 if not _torch.remove_saved_tensors_hooks(self._pack):
                     self.errors.append("memlab's saved_tensors_hooks were removed by other code")
         finally:
