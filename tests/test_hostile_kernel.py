@@ -93,6 +93,13 @@ def _hk_modes():
     return [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
 
 
+def _hk_default_device():
+    try:
+        return str(torch.get_default_device())
+    except AttributeError:  # torch 2.4, after set_default_device(None): its own bug
+        return "cpu"
+
+
 def _hk_state():
     "What is installed in this process now: the user's modes, and what memlab could leave."
     from torch.nn.modules import module as m
@@ -113,7 +120,7 @@ def _hk_state():
         "optimizer hooks": len(o._global_optimizer_pre_hooks)
         + len(o._global_optimizer_post_hooks),
         "memlab event callbacks": len(mine),
-        "default device": str(torch.get_default_device()),
+        "default device": _hk_default_device(),
         "grad enabled": torch.is_grad_enabled(),
     }
 
