@@ -22,7 +22,7 @@ TENSOR = BATCH * WIDTH * 4  # bytes of one (batch, width) float32 tensor
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"),
-    reason="selective checkpointing is new in torch 2.4",
+    reason="selective checkpointing is new in torch 2.5",
 )
 
 

@@ -151,7 +151,7 @@ class Accountant(Roles):
             self.errors.append(f"activations not tagged: {e}")
             return
         self._stack.callback(self._remove_saved_tensors_hooks)
-        transforms.install(self._pack, self._stepped_aside)
+        transforms.install(self._pack, _unpack, self._stepped_aside)
 
     def _remove_saved_tensors_hooks(self) -> None:
         transforms.uninstall(self._pack)

@@ -8,8 +8,10 @@ memlab's pair in force for its whole region, so the program's own call raised in
 While a breakdown region is open, that context manager is memlab's `StepAside`: where the pair
 in force is memlab's, it is taken off for the block's length and put back after (what autograd
 saves inside the block is not tagged as saved; the region's notes say so). Where another pair
-is in force, or PyTorch cannot say which pair is (before 2.5), PyTorch's own error is raised,
-as without memlab. The original is put back when the last such region closes, unless other
+is in force, PyTorch's own error is raised, as without memlab. Where PyTorch cannot say which
+pair is in force (2.4), the pairs pushed through its Python call while such a region is open
+are followed on each thread, so that memlab's own is told apart (a pair pushed from C++ alone
+would not be). What was replaced is put back when the last such region closes, unless other
 code replaced it meanwhile.
 """
 
@@ -28,6 +30,39 @@ from memlab.core import _torch
 _OURS: list[tuple[Any, Callable[[], None]]] = []
 _lock = threading.Lock()
 _original: list[Any] = []
+_C: Any = torch._C._autograd
+#: PyTorch's push and pop of a pair, where memlab follows them (PyTorch 2.4); a generation
+#: count, so that a thread's pairs from an earlier such time are not taken for today's.
+_followed: list[Any] = []
+_generation = [0]
+_pushed = threading.local()
+
+
+def _pairs() -> list[tuple[Any, Any]]:
+    """The pairs pushed on this thread (through Python) since memlab began to follow them."""
+    if getattr(_pushed, "generation", None) != _generation[0]:
+        _pushed.generation, _pushed.pairs = _generation[0], []
+    pairs: list[tuple[Any, Any]] = _pushed.pairs
+    return pairs
+
+
+def _push(pack: Any, unpack: Any) -> None:
+    _followed[0](pack, unpack)
+    _pairs().append((pack, unpack))
+
+
+def _pop() -> None:
+    _followed[1]()
+    pairs = _pairs()
+    if pairs:
+        pairs.pop()
+
+
+def _in_force() -> tuple[Any, Any] | None:
+    if _followed:  # PyTorch cannot say: the last pair pushed on this thread, if any
+        pairs = _pairs()
+        return pairs[-1] if pairs else None
+    return _torch.saved_tensors_hooks_on()
 
 
 class StepAside:
@@ -39,10 +74,10 @@ class StepAside:
         self._lifted: tuple[Any, Any] | None = None
 
     def __enter__(self) -> None:
-        top = _torch.saved_tensors_hooks_on()
+        top = _in_force()
         told = _told(top[0]) if top is not None else None
         if told is not None:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _C._pop_saved_tensors_default_hooks()
             self._lifted = top
             told()
         try:
@@ -74,15 +109,25 @@ def _told(pack: Any) -> Callable[[], None] | None:
     return None
 
 
-def install(pack: Any, told: Callable[[], None]) -> None:
-    """memlab's pair with pack hook ``pack`` is in force: ``told()`` is called each time it
-    steps aside."""
+def install(pack: Any, unpack: Any, told: Callable[[], None]) -> None:
+    """memlab's pair (``pack``, ``unpack``), just pushed on this thread, is in force:
+    ``told()`` is called each time it steps aside."""
     graph: Any = torch.autograd.graph  # (its attribute is replaced, so not typed as itself)
     with _lock:
         if not _OURS and graph.disable_saved_tensors_hooks is not StepAside:
             _original[:] = [graph.disable_saved_tensors_hooks]
             graph.disable_saved_tensors_hooks = StepAside
+        if not _OURS and _torch._top_hooks is None and not _followed:  # (PyTorch 2.4)
+            _followed[:] = [
+                _C._push_saved_tensors_default_hooks,
+                _C._pop_saved_tensors_default_hooks,
+            ]
+            _generation[0] += 1
+            _C._push_saved_tensors_default_hooks = _push
+            _C._pop_saved_tensors_default_hooks = _pop
         _OURS.append((pack, told))
+    if _followed:
+        _pairs().append((pack, unpack))
 
 
 def uninstall(pack: Any) -> None:
@@ -98,6 +143,12 @@ def uninstall(pack: Any) -> None:
             if graph.disable_saved_tensors_hooks is StepAside:
                 graph.disable_saved_tensors_hooks = _original[0]
             _original.clear()
+        if not _OURS and _followed:
+            if _C._push_saved_tensors_default_hooks is _push:
+                _C._push_saved_tensors_default_hooks = _followed[0]
+            if _C._pop_saved_tensors_default_hooks is _pop:
+                _C._pop_saved_tensors_default_hooks = _followed[1]
+            _followed.clear()
 
 
 NOTE = (

@@ -75,7 +75,7 @@ def selective(config: RunConfig) -> Callable[[], Any] | None:
     if make is None:
         raise WhatIfError(
             f"checkpoint_saves={config.checkpoint_saves!r} needs selective checkpointing, "
-            f"new in torch 2.4 (this is {torch.__version__}): upgrade torch, or pass "
+            f"new in torch 2.5 (this is {torch.__version__}): upgrade torch, or pass "
             "checkpoint_saves='nothing'."
         )
     ops = [getattr(torch.ops.aten, name).default for name in MATMULS]

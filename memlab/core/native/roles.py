@@ -142,7 +142,7 @@ class NativeRoles(Roles):
             self.errors.append(f"activations not tagged: {e}")
             return
         self._pack_in = True
-        transforms.install(self._pack, self._stepped_aside)
+        transforms.install(self._pack, self._unpack, self._stepped_aside)
 
     def uninstall(self) -> None:
         """Takes out what `install` put in (each part once, whatever failed before it)."""
