@@ -248,3 +248,9 @@ def raw_op(overload: Any) -> Any:
     """The C++ callable behind an ``OpOverload`` (called without the Python wrapper's frame:
     a saved-tensor hook runs once per saved tensor). Checked 2.13."""
     return overload._op
+
+
+def saved_hooks_module() -> Any:
+    """``torch._C._autograd``, whose push and pop of saved-tensor hooks memlab follows where
+    the pair in force cannot be read (`memlab.core.transforms`). Checked 2.4.1, 2.11, 2.13."""
+    return torch._C._autograd

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
+from memlab.core._torch_record import saved_hooks_module
 
 #: The pack hooks of memlab's pairs in force, each with what to call when it steps aside.
 _OURS: list[tuple[Any, Callable[[], None]]] = []
 _lock = threading.Lock()
 _original: list[Any] = []
-_C: Any = torch._C._autograd
+_C: Any = saved_hooks_module()
 #: PyTorch's push and pop of a pair, where memlab follows them (PyTorch 2.4); a generation
 #: count, so that a thread's pairs from an earlier such time are not taken for today's.
 _followed: list[Any] = []
