@@ -753,6 +753,12 @@ def test_a_breakdown_lets_torch_func_grad_run(
     assert any("torch.func transforms" in n for n in t.report.notes), t.report.notes
     assert torch.autograd.graph.disable_saved_tensors_hooks is original
     assert _torch.saved_tensors_hooks_on() is None
+    # regions nested: both pairs step aside (one left in force would still refuse)
+    with track() as outer, track() as inner:
+        grad(lambda v: (v @ w).sum())(torch.randn(8))
+    for region in (outer, inner):
+        assert any("torch.func transforms" in n for n in region.report.notes)
+    assert _torch.saved_tensors_hooks_on() is None
     # the program's own hooks in force: PyTorch's own error, as without memlab
     own = torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x)
     with track(), own, pytest.raises(RuntimeError, match="saved tensor hooks"):

@@ -72,14 +72,13 @@ class StepAside:
     def __init__(self, error_message: str) -> None:
         inner = _original[0] if _original else torch.autograd.graph.disable_saved_tensors_hooks
         self._inner = None if inner is StepAside else inner(error_message)
-        self._lifted: tuple[Any, Any] | None = None
+        self._lifted: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> None:
-        top = _in_force()
-        told = _told(top[0]) if top is not None else None
-        if told is not None:
+        # memlab's pairs on top (a region nested in another has one each), all of them
+        while (top := _in_force()) is not None and (told := _told(top[0])) is not None:
             _C._pop_saved_tensors_default_hooks()
-            self._lifted = top
+            self._lifted.append(top)
             told()
         try:
             if self._inner is not None:
@@ -97,9 +96,8 @@ class StepAside:
             self._put_back()
 
     def _put_back(self) -> None:
-        if self._lifted is not None:
-            _torch.push_saved_tensors_hooks(*self._lifted)
-            self._lifted = None
+        while self._lifted:
+            _torch.push_saved_tensors_hooks(*self._lifted.pop())
 
 
 def _told(pack: Any) -> Callable[[], None] | None:
@@ -127,8 +125,9 @@ def install(pack: Any, unpack: Any, told: Callable[[], None]) -> None:
             _C._push_saved_tensors_default_hooks = _push
             _C._pop_saved_tensors_default_hooks = _pop
         _OURS.append((pack, told))
-    if _followed:
-        _pairs().append((pack, unpack))
+    pairs = _pairs() if _followed else None
+    if pairs is not None and (not pairs or pairs[-1][0] != pack):  # (not followed when pushed)
+        pairs.append((pack, unpack))
 
 
 def uninstall(pack: Any) -> None:
