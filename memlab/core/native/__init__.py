@@ -30,10 +30,10 @@ _why: str | None = None
 _tried = False
 
 
-#: The oldest PyTorch the record is checked on (its own tests pass there). It builds and runs
-#: on 2.4 to 2.12 too, but on 2.11 its figures part from the dispatch mode's for a wrapper
-#: subclass's ops, a program's own dispatch mode left on past the region, and the timeline of a
-#: checkpointed step: there the dispatch mode measures.
+#: The oldest PyTorch the record is checked on (its own tests pass there). It compiles against
+#: the headers of 2.4.1 to 2.12 too, but built on 2.11 its figures part from the dispatch mode's
+#: for a wrapper subclass's ops, a program's own dispatch mode left on past the region, and the
+#: timeline of a checkpointed step: there the dispatch mode measures.
 OLDEST = (2, 13)
 
 
