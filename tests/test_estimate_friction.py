@@ -254,3 +254,36 @@ def test_a_model_fn_that_imports_transformers_itself_estimates_too() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("assumed sequences are not packed (not checked on meta)")
+
+
+class FloatRotary(nn.Module):
+    """A layer that computes in float32 as transformers 4's rotary embeddings do: inside
+    ``torch.autocast(x.device.type, enabled=False)``, which PyTorch refuses for ``meta``."""
+
+    def __init__(self, force: bool) -> None:
+        super().__init__()
+        self.force = force
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.force:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                x = x.float() * 2
+        else:
+            x = x.float() * 2
+        return self.proj(x)
+
+
+def test_library_code_that_turns_autocast_off_on_the_tensors_device_estimates() -> None:
+    """On meta, ``torch.autocast("meta")`` raises 'unsupported scalarType' in every PyTorch: the
+    estimate makes it a null context for its run (as transformers 5 does), so such a model
+    estimates, to the byte as the same model without the block; after it, PyTorch's own."""
+    original = torch.autocast
+    with pytest.raises(RuntimeError, match="scalarType"):
+        torch.autocast("meta", enabled=False)
+    figures = [
+        estimate(lambda f=force: FloatRotary(f), lambda b: torch.randn(b, 32), batch_size=4)
+        for force in (True, False)
+    ]
+    assert figures[0].peak_allocated == figures[1].peak_allocated > 0
+    assert torch.autocast is original and torch.amp.autocast is original

@@ -38,6 +38,7 @@ from memlab.estimate.redirect import (
     META,
     OrdinaryInputs,
     build_on_meta,
+    meta_autocast,
     meta_device_module,
     redirected,
 )
@@ -190,7 +191,16 @@ def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
     copies = CudaAllocations(sms) if cuda_kernels else null()
     handles = CublasHandles(take_workspace)
     grouped = device_kernels()  # losses, mish's backward, MoE products: as a device runs them
-    with host, track(META), kernels, copies, handles, meta_device_module(), grouped:
+    with (
+        host,
+        track(META),
+        kernels,
+        copies,
+        handles,
+        meta_device_module(),
+        meta_autocast(),  # transformers 4's `torch.autocast(x.device.type)` on meta
+        grouped,
+    ):
         yield
 
 
