@@ -1,0 +1,129 @@
+"""What a breakdown costs on a GPU, against a dispatch mode that does nothing (needs CUDA).
+
+On a GPU, ``memlab.track()`` reads the caching allocator's counters at each end and follows no
+op; with ``breakdown=True`` every op passes through memlab's Python dispatch mode (the native
+record follows CPU memory only). Two training steps, each timed bare, under a do-nothing
+``TorchDispatchMode``, under ``track()`` and under ``track(breakdown=True)``, the ways taking
+turns: torchvision's ResNet-18 (batch 64, 224×224; where torchvision imports) and an 8-layer
+tiny-op MLP. Then the process's CPU time against its wall time with a breakdown: equal means
+the CPU is the bound (no sync waits hidden in it).
+
+    python benchmarks/bench_gpu_breakdown.py [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import emit, header
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memlab
+
+
+class Nothing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def resnet18() -> tuple[nn.Module, torch.Tensor] | None:
+    try:
+        import torchvision
+    except Exception:  # not installed, or built for another torch
+        return None
+    return torchvision.models.resnet18().cuda(), torch.randn(64, 3, 224, 224, device="cuda")
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).cuda()
+    return model, torch.randn(16, 64, device="cuda")
+
+
+def training_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    return step
+
+
+WAYS: dict[str, Callable[[], Any]] = {
+    "bare": lambda: None,
+    "a dispatch mode that does nothing": Nothing,
+    "memlab.track()": lambda: memlab.track("cuda"),
+    "memlab.track(breakdown=True)": lambda: memlab.track("cuda", breakdown=True),
+}
+
+
+def timed(step: Callable[[], None], make: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        ctx = make()
+        t0 = time.perf_counter()
+        if ctx is None:
+            step()
+        else:
+            with ctx:
+                step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    torch.manual_seed(0)
+    models = {"ResNet-18 (torchvision), batch 64": resnet18(), "8-layer MLP, 64 wide": mlp()}
+    lines = header("A breakdown on a GPU (cuda)")
+    lines += [
+        f"Median wall time of one training step (SGD with momentum), {args.rounds} rounds of 8, "
+        "the ways taking turns.",
+        "",
+        "| step | " + " | ".join(WAYS) + " |",
+        "| --- |" + " ---: |" * len(WAYS),
+    ]
+    bound = []
+    for name, built in models.items():
+        if built is None:
+            lines.append(f"| {name} | not installed |" + " |" * (len(WAYS) - 1))
+            continue
+        step = training_step(*built)
+        for _ in range(3):
+            step()
+        rounds: dict[str, list[float]] = {w: [] for w in WAYS}
+        for _ in range(args.rounds):
+            for way, make in WAYS.items():
+                rounds[way].append(timed(step, make, 8))
+        bare = statistics.median(rounds["bare"])
+        cells = [
+            f"{statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / bare:.2f}×)"
+            for v in rounds.values()
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(10):
+            with memlab.track("cuda", breakdown=True):
+                step()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        per_step = f"wall {wall * 100:.2f} ms, CPU {cpu * 100:.2f} ms"
+        bound.append(f"- {name}, with a breakdown, per step: {per_step}")
+    lines += ["", "A step's process CPU time against its wall time:", "", *bound]
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
