@@ -8,7 +8,7 @@
 #   traces     small real allocator traces -> tests/data/trace-*.json.gz
 #   validate   the estimator against the GPU -> benchmarks/results/estimator-gpu.{md,jsonl},
 #              with every measured run's allocator trace (validate-traces/)
-#   bench      %%gpumem and what-if overhead -> benchmarks/results/{magic,whatif}-gpu.md
+#   bench      %%gpumem, what-if and breakdown overhead -> benchmarks/results/{magic,whatif,breakdown}-gpu.md
 #   notebooks  every notebook, executed -> notebooks-gpu/*.ipynb
 #
 # Everything the stages write goes to $OUT (default /tmp/gpu-out) as one results.tar.gz, laid
@@ -77,7 +77,9 @@ for s in "$@"; do
       stage bench-magic 240 $py benchmarks/bench_magic.py --repeat 100 \
         --out "$results/benchmarks/results/magic-gpu.md"
       stage bench-whatif 200 $py benchmarks/bench_whatif.py \
-        --out "$results/benchmarks/results/whatif-gpu.md" ;;
+        --out "$results/benchmarks/results/whatif-gpu.md"
+      stage bench-breakdown 120 $py benchmarks/bench_gpu_breakdown.py \
+        --out "$results/benchmarks/results/breakdown-gpu.md" ;;
     notebooks)
       stage notebooks 560 $py scripts/run_notebooks.py --jobs 4 --timeout 300 \
         --out "$results/notebooks-gpu" ;;
