@@ -164,9 +164,11 @@ def test_fsdp_holds_a_padded_shard_and_ddp_everything(job: dict[str, Any]) -> No
         assert fsdp.rows[r].at_end[Category.PARAMETER] == DEPTH * (half * WIDTH + half) * 4
         # DDP's gradient buckets: a flat copy of every gradient, marked as communication
         assert ddp.rows[r].at_end[Category.COMMUNICATION] == full
-    # without resharding after forward, every unit is gathered at the end of the forward
+    # without resharding after forward, every unit is gathered at the end of the forward and
+    # stays so into the backward: the peak falls where one meets the other (in the backward's
+    # first op where a forward all-gather's buffer is still alive, freed late by gloo's thread)
     keep = RankTable.from_dict(job["fsdp_no_reshard"]["table"])
-    assert all(row.peak_phase == "forward" for row in keep.rows)
+    assert all(row.peak_phase in ("forward", "backward") for row in keep.rows), keep
     assert all(row.at_peak[Category.PARAMETER] >= full for row in keep.rows)
 
 
