@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import emit, header
+from common import emit, header, median_time
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,18 +65,14 @@ WAYS: dict[str, Callable[[], Any]] = {
 }
 
 
-def timed(step: Callable[[], None], make: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        ctx = make()
-        t0 = time.perf_counter()
-        if ctx is None:
+def under(make: Callable[[], Any], step: Callable[[], None]) -> None:
+    """One step under the way ``make`` makes (its making timed too, as in bench_ops.py)."""
+    ctx = make()
+    if ctx is None:
+        step()
+    else:
+        with ctx:
             step()
-        else:
-            with ctx:
-                step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -107,7 +103,7 @@ def main() -> None:
         rounds: dict[str, list[float]] = {w: [] for w in WAYS}
         for _ in range(args.rounds):
             for way, make in WAYS.items():
-                rounds[way].append(timed(step, make, 8))
+                rounds[way].append(median_time(lambda m=make, s=step: under(m, s), 8))
         bare = statistics.median(rounds["bare"])
         cells = [
             f"{statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / bare:.2f}×)"
