@@ -118,7 +118,91 @@ def main() -> None:
         per_step = f"wall {wall * 100:.2f} ms, CPU {cpu * 100:.2f} ms"
         bound.append(f"- {name}, with a breakdown, per step: {per_step}")
     lines += ["", "A step's process CPU time against its wall time:", "", *bound]
+    try:
+        lines += diagnosis()
+    except Exception as e:  # the table above is still written
+        lines += ["", f"Diagnosis failed: {type(e).__name__}: {e}"]
     emit(lines, args.out)
+
+
+def diagnosis() -> list[str]:
+    """Where a breakdown's time goes on CUDA, beside the same MLP step on the CPU under the
+    dispatch mode (MEMLAB_NATIVE=0): per-op cost on each device, the synchronisations a
+    breakdown makes (``torch.cuda.set_sync_debug_mode``), and the functions that cost most."""
+    import cProfile
+    import io
+    import os
+    import pstats
+    import warnings
+
+    out = ["", "Diagnosis, the 8-layer MLP step:", ""]
+    counts = {}
+    for device in ("cuda", "cpu"):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).to(device)
+        x = torch.randn(16, 64, device=device)
+        step = training_step(model, x) if device == "cuda" else _cpu_step(model, x)
+        os.environ["MEMLAB_NATIVE"] = "0"
+        try:
+            for _ in range(3):
+                with memlab.track(device, breakdown=True):
+                    step()
+            bare = median_time(step, 20)
+            tracked = median_time(
+                lambda s=step, d=device: under(lambda: memlab.track(d, breakdown=True), s), 20
+            )
+        finally:
+            os.environ.pop("MEMLAB_NATIVE", None)
+        with Counting() as ops:
+            step()
+        counts[device] = ops.n
+        out.append(
+            f"- {device}: {ops.n} ops, bare {bare * 1e3:.3f} ms, with a breakdown (dispatch "
+            f"mode) {tracked * 1e3:.3f} ms: {(tracked - bare) / ops.n * 1e6:.1f} µs an op"
+        )
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with memlab.track("cuda", breakdown=True):
+                training_step(*mlp())()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0] for w in said if "synchroniz" in str(w.message)]
+    out.append(
+        f"- synchronising calls in a breakdown region (the step's own included): {len(syncs)}"
+    )
+    out += [f"  - {s}" for s in sorted(set(syncs))[:8]]
+    step = training_step(*mlp())
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        with memlab.track("cuda", breakdown=True):
+            step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out += ["", "cProfile of 20 such steps on CUDA, by own time:", "", "```"]
+    out += [line for line in text.getvalue().splitlines() if line.strip()][-20:]
+    return [*out, "```"]
+
+
+def _cpu_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+class Counting(TorchDispatchMode):
+    n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 if __name__ == "__main__":
