@@ -17,8 +17,8 @@ from memlab.core import cuda
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.estimate.allocator import round_size
+from memlab.estimate.holders import variable_names, variable_root
 from memlab.estimate.oom import explain, state_levers
-from memlab.estimate.preflight import variable_names
 from memlab.reports.oom import LiveTensor, OOMExplanation
 
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
@@ -66,7 +66,8 @@ def after_oom(
     for t in live:
         if t.category == str(Category.OTHER):
             for name in t.names:
-                held[name.split("[")[0]] = held.get(name.split("[")[0], 0) + t.nbytes
+                root = variable_root(name)
+                held[root] = held.get(root, 0) + t.nbytes
     notes = [
         "levers predicted from the allocator's state at the failure: a later moment of the step "
         "may need more",

@@ -19,6 +19,7 @@ cards' figures are PyTorch's documented defaults, not yet checked on each card: 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ class GPU:
         return self.memory - self.context
 
     def describe(self) -> str:
-        return f"{self.name} ({self.memory / GiB:g} GiB)"
+        gib = f"{self.memory / GiB:.4g} GiB"
+        return self.name if self.name.endswith(f" {gib}") else f"{self.name} ({gib})"
 
 
 GPUS: dict[str, GPU] = {
@@ -158,4 +160,6 @@ def _sized(spec: str) -> GPU:
     size = int(float(m.group(1)) * _UNIT[m.group(2).lower()])
     found = gpu(size)
     assert found is not None
-    return found
+    # named as the user wrote it: "24 GB" is 10**9-byte gigabytes (22.35 GiB), said beside it
+    unit = {u.lower(): u for u in ("B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB")}
+    return dataclasses.replace(found, name=f"custom {m.group(1)} {unit[m.group(2).lower()]}")

@@ -244,8 +244,16 @@ def stream_levers(
     def weight(serials: Sequence[int]) -> int:
         return sum(first.get(s, 0) for s in set(serials))
 
-    for name, (serials, when) in sorted(held.items(), key=lambda kv: -weight(kv[1][0]))[:2]:
-        found.append(fit(f"del {name}", f"`del {name}` {when}", _without(set(serials))))
+    # the two largest that would lower the peak (a small tensor's `del` changes nothing)
+    base = replay_peak(stream, lambda s, n: n, None)
+    useful = 0
+    for name, (serials, when) in sorted(held.items(), key=lambda kv: -weight(kv[1][0]))[:4]:
+        lever = fit(f"del {name}", f"`del {name}` {when}", _without(set(serials)))
+        if lever.fits or replay_peak(stream, _without(set(serials)), None) < base:
+            found.append(lever)
+            useful += 1
+            if useful == 2:
+                break
     return found
 
 

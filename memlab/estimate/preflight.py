@@ -19,21 +19,17 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from memlab.core.categories import Category, stronger
 from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.gpus import GPU
+from memlab.estimate.holders import variable_names, variable_root
 from memlab.estimate.oom import explain, replay_peak, stream_levers
 from memlab.estimate.redirect import redirected
-from memlab.graphs.scan import key_text
 from memlab.reports.oom import Lever, LiveTensor
 from memlab.reports.preflight import Preflight
 from memlab.reports.units import fmt_bytes
 
-#: Containers longer than this are not looked into for variable names.
-MAX_SCAN = 1000
 #: The levers replay the cell's stream a few times each; beyond this many events they are left
 #: out (and the explanation says so), to keep the answer within seconds.
 MAX_LEVER_EVENTS = 300_000
@@ -47,6 +43,8 @@ class _Failure:
     live: list[tuple[int, int]]  # (serial, bytes)
     saved: set[int]
     names: dict[int, list[str]]
+    #: The storages live before the cell did not fit on the card, the cell not yet begun.
+    before: bool = False
 
 
 class Flight:
@@ -74,6 +72,7 @@ class Flight:
         self.before: set[int] = set()
         self.freed: set[int] = set()
         self.failure: _Failure | None = None
+        self._begun = False  # the cell allocated (or ended): later discoveries are mid-cell
         self._modes = contextlib.ExitStack()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -102,6 +101,7 @@ class Flight:
 
     # -- ledger callbacks ------------------------------------------------------------------------
     def on_alloc(self, serial: int, delta: int, when: float) -> None:
+        self._began()
         old = self.sizes.pop(serial, None)
         if old is not None:  # a storage that grew: the allocator sees a new block
             self._free(serial, old)
@@ -142,6 +142,9 @@ class Flight:
         try:
             self.handles[serial] = self.allocator.malloc(nbytes)
         except SimulatedOutOfMemoryError:
+            # a storage from before the cell, none of the cell's own yet: what earlier cells
+            # left does not fit (the rest of it is added until the cell's first allocation)
+            before = line is None and not self._begun and serial in self.before
             self.failure = _Failure(
                 nbytes,
                 line,
@@ -149,7 +152,19 @@ class Flight:
                 [(s, self.sizes[s]) for s in self.handles],
                 set(self.saved),
                 self._names(),
+                before,
             )
+
+    def _began(self) -> None:
+        """The cell's first allocation (or its end): where what earlier cells left did not fit,
+        the failure lists all of it."""
+        if self._begun:
+            return
+        self._begun = True
+        found = self.failure
+        if found is not None and found.before:
+            found.live = [(s, n) for s, n in self.sizes.items() if s in self.before]
+            found.names = self._names()
 
     def _names(self) -> dict[int, list[str]]:
         """The variables holding each storage; none if the namespace cannot be read."""
@@ -185,6 +200,7 @@ class Flight:
         return str(Category.OTHER)
 
     def result(self) -> Preflight:
+        self._began()
         stats = self.allocator.stats
         found = self.failure
         if found is None:
@@ -195,7 +211,10 @@ class Flight:
         unlimited = replay_peak(self.stream, lambda s, n: n, None)
         card = _label(self.card)
         explained = self._explain(found)
-        return Preflight(card, self.card.usable, stats.peak_allocated, unlimited, explained)
+        before = sum(n for _, n in found.live) if found.before else 0
+        return Preflight(
+            card, self.card.usable, stats.peak_allocated, unlimited, explained, before=before
+        )
 
     def _explain(self, found: _Failure) -> Any:
         def source(line: int | None, serial: int | None = None) -> str:
@@ -215,9 +234,10 @@ class Flight:
         ]
         holding: dict[str, list[int]] = {}
         for s, _ in found.live:  # what the user could drop: none of the step's own storages
-            if self.role(s, found.saved) == str(Category.OTHER):
+            # (where what earlier cells left does not fit, any of it: the user knows which)
+            if found.before or self.role(s, found.saved) == str(Category.OTHER):
                 for name in found.names.get(s, ()):
-                    holding.setdefault(name.split("[")[0], []).append(s)
+                    holding.setdefault(variable_root(name), []).append(s)
         held = {
             name: (
                 serials,
@@ -246,7 +266,7 @@ class Flight:
                 f"levers left out: the cell made {len(self.stream):,} allocations and frees, "
                 f"more than the {MAX_LEVER_EVENTS:,} replayed for them; pre-flight one step"
             )
-        return explain(
+        explained = explain(
             where=f"predicted {_label(self.card)}",
             requested=found.requested,
             capacity=self.card.usable,
@@ -261,6 +281,14 @@ class Flight:
                 how,
             ),
         )
+        if not found.before:
+            return explained
+        left = sum(n for _, n in found.live)
+        cause = (
+            f"what earlier cells left on the device ({fmt_bytes(left)}) does not fit in the "
+            f"{fmt_bytes(self.card.usable)} usable: the cell could not begin"
+        )
+        return dataclasses.replace(explained, cause=cause, fragmented=False)
 
 
 def _label(card: GPU) -> str:
@@ -268,33 +296,3 @@ def _label(card: GPU) -> str:
     if card.name.startswith("custom "):
         return f"{fmt_bytes(card.memory)} GPU"
     return card.describe()
-
-
-def variable_names(
-    ledger: Ledger, namespace: dict[str, Any], hidden: Container[str] = ()
-) -> dict[int, list[str]]:
-    """Which user variables hold which storages (by serial): tensors, and those directly in
-    short lists, tuples and dicts; found by ``type()``, so none of the user's code runs (a
-    dict's keys are shown by ``repr`` only when plain; names that are not str are passed
-    over)."""
-    names: dict[int, list[str]] = {}
-
-    def note(name: str, value: Any) -> None:
-        if issubclass(type(value), torch.Tensor):
-            serial = ledger.serial_of(value)
-            if serial is not None:
-                names.setdefault(serial, []).append(name)
-
-    for name, value in list(namespace.items()):
-        if type(name) is not str or name[:1] == "_" or name in hidden:
-            continue
-        kind = type(value)
-        if kind in (list, tuple) and len(value) <= MAX_SCAN:
-            for i, v in enumerate(value):
-                note(f"{name}[{i}]", v)
-        elif kind is dict and len(value) <= MAX_SCAN:
-            for k, v in dict.items(value):
-                note(f"{name}[{key_text(k)}]", v)
-        else:
-            note(name, value)
-    return names

@@ -29,7 +29,7 @@ from memlab.reports.frame import GROW
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, RunResult, WhatIfError, run
 from memlab.step.model import config_of, resolve_device
-from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
+from memlab.step.user import InputFn, LossFn, ModelFn, StepFn, check_model_fn
 
 T = TypeVar("T")
 MiB = 1024**2
@@ -91,6 +91,7 @@ class Explorer(BudgetLimit):
         step_fn: StepFn | None = None,
         config: RunConfig | None = None,
     ) -> None:
+        check_model_fn(model_fn)  # at once, not at the first run's status line
         self.model_fn, self.input_fn, self.loss_fn = model_fn, input_fn, loss_fn
         self.step_fn = step_fn
         self.results: list[RunResult] = []

@@ -43,6 +43,10 @@ def assemble(
     }
     if cr is None:
         assert tally is not None
+        if driver:  # asked for, and never silently dropped
+            notes.append(
+                f"driver view: none for {target.name} (it is a CUDA device's: mem_get_info, NVML)"
+            )
         return MemoryReport(
             allocated_before=tally.before,
             allocated_after=tally.after,
@@ -53,6 +57,8 @@ def assemble(
             **common,
         )
     s, e = cr.start, cr.end
+    if driver and not torch.cuda.is_initialized():
+        notes.append("driver view: none (nothing in this process has initialised CUDA yet)")
     if tally is not None and timeline:
         notes.append(
             "timeline: tensor bytes from accounting, offset to the allocator's figure at the "

@@ -34,6 +34,9 @@ class Preflight(Result):
     #: Ops or allocations the accounting failed to take in: the replay may miss allocations or
     #: frees, so no verdict is given (the cell's report notes say why).
     lost: int = 0
+    #: Where what earlier cells left on the device does not fit on the card by itself: its
+    #: bytes (the cell could not begin); else 0.
+    before: int = 0
 
     @property
     def fits(self) -> bool:
@@ -53,6 +56,13 @@ class Preflight(Result):
             return (
                 f"pre-flight on {self.gpu}: {fits} · peak reserved "
                 f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
+            )
+        if self.before:
+            return (
+                f"pre-flight on {self.gpu}: would run OUT OF MEMORY before this cell begins: "
+                f"{fmt_bytes(self.before)} left by earlier cells does not fit in "
+                f"{fmt_bytes(self.usable)} usable · the cell with it needs "
+                f"{fmt_bytes(self.peak_reserved)}"
             )
         at = f" at line {self.oom.line}" if self.oom.line is not None else ""
         return (
@@ -83,4 +93,5 @@ class Preflight(Result):
             "oom": None if self.oom is None else self.oom.to_dict(),
             "raised": self.raised,
             "lost": self.lost,
+            "before": self.before,
         }

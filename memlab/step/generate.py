@@ -33,7 +33,7 @@ from memlab.step.kvcache import (
     kv_cache_bytes,
     static_cache,
 )
-from memlab.step.model import call, check_device
+from memlab.step.model import call, check_device, cpu_to
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
 from memlab.step.user import UserStep, refused_arguments, tensors_in
 
@@ -64,6 +64,8 @@ def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unsta
             "input_ids and attention_mask)."
         )
     prompt = call("input_fn", user.input_fn, config.batch_size)
+    if user.device.type == "meta":  # an estimate: a prompt from the CPU is on the GPU
+        prompt = cpu_to(prompt, user.device)
     check_device("input_fn's result", tensors_in(prompt), user.device)
     for t in tensors_in(prompt):
         mark(t, Category.INPUT)

@@ -82,6 +82,27 @@ def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -
             )
 
 
+def cpu_to(value: Any, device: torch.device, depth: int = 0) -> Any:
+    """``value`` with its CPU tensors (itself, or inside its tuples, lists and mappings) copied
+    to ``device``: an estimate's input read from a dataset held on the CPU is on the GPU in
+    the step it predicts. A container whose type cannot be rebuilt from its items is left as
+    it is (`check_device` then says what to pass)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if value.device.type == "cpu" else value
+    if depth > 4 or not isinstance(value, (Mapping, tuple, list)):
+        return value
+    try:
+        if isinstance(value, Mapping):
+            items = {k: cpu_to(v, device, depth + 1) for k, v in value.items()}
+            return items if type(value) is dict else type(value)(items)
+        moved = [cpu_to(v, device, depth + 1) for v in value]
+        if type(value) in (tuple, list):
+            return type(value)(moved)
+        return type(value)(*moved)  # a namedtuple
+    except Exception:  # a container of the user's that its items do not rebuild
+        return value
+
+
 #: The optimizers memlab made for its runs (a user's step_fn may not step one of its own).
 OWN_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 

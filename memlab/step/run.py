@@ -51,6 +51,7 @@ from memlab.step.user import (
     ModelFn,
     StepFn,
     UserStep,
+    check_model_fn,
     check_trainable,
     detach,
     module_of,
@@ -100,6 +101,7 @@ def run(
     >>> r.peak, r.report.breakdown.at_peak
     """
     config = config_of(config, settings)
+    check_model_fn(model_fn)
     if step_fn is not None and loss_fn is not None:
         raise WhatIfError(
             "give loss_fn or step_fn, not both: step_fn(model, batch) computes the loss itself."

@@ -13,7 +13,7 @@ from torch.nn.parameter import is_lazy
 
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
-from memlab.step.model import call, check_device
+from memlab.step.model import call, check_device, cpu_to
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -42,6 +42,8 @@ class UserStep:
         tuple is the forward's arguments, a mapping its keyword arguments (``{"input_ids": ...,
         "labels": ...}`` for a Hugging Face model), anything else its one argument."""
         value = call("input_fn", self.input_fn, batch)
+        if self.device.type == "meta":  # an estimate: a batch from the CPU is on the GPU
+            value = cpu_to(value, self.device)
         tensors = tensors_in(value)
         check_device("input_fn's result", tensors, self.device)
         for t in tensors:
@@ -152,6 +154,24 @@ def check_trainable(model: nn.Module, config: RunConfig) -> None:
             f"for backward, so mode={str(config.mode)!r} cannot run it. Build the model outside "
             "inference_mode (under torch.no_grad() if you like), or pass mode='no_grad' or "
             "mode='inference_mode'."
+        )
+
+
+def check_model_fn(model_fn: Any) -> None:
+    """A WhatIfError where ``model_fn`` is not a function that returns the model: a model
+    itself (called with no arguments, its forward would fail on a missing input), or no
+    callable at all."""
+    if isinstance(model_fn, nn.Module):
+        what = type(model_fn).__name__
+        raise WhatIfError(
+            f"model_fn got a model already built ({what}): pass a function that returns it, "
+            f"e.g. model_fn=lambda: model (memlab puts its weights, buffers and gradients back "
+            f"after the run), or one that builds a new {what} each call."
+        )
+    if not callable(model_fn):
+        raise WhatIfError(
+            f"model_fn got {type(model_fn).__name__} {model_fn!r:.60}: pass a function that "
+            "returns the model, e.g. model_fn=lambda: MyModel(config)."
         )
 
 
