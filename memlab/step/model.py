@@ -94,7 +94,8 @@ def cpu_to(value: Any, device: torch.device, depth: int = 0) -> Any:
     try:
         if isinstance(value, Mapping):
             items = {k: cpu_to(v, device, depth + 1) for k, v in value.items()}
-            return items if type(value) is dict else type(value)(items)
+            kind: Any = type(value)  # (a dict subclass: BatchEncoding, OrderedDict)
+            return items if kind is dict else kind(items)
         moved = [cpu_to(v, device, depth + 1) for v in value]
         if type(value) in (tuple, list):
             return type(value)(moved)
