@@ -1010,10 +1010,14 @@ panel(
     value("0"),
 )
 panel(
-    "model-fn-not-callable",
+    "model-fn-not-callable",  # refused at once, with what to pass
     "ex = memlab.Explorer(42, batch)\nex.run_button.click()" + CLICK,
-    status("model_fn", "int"),
-    value("0"),
+    memlab_error("model_fn", "function", "int"),
+)
+panel(
+    "model-given-instead-of-model-fn",
+    "ex = memlab.Explorer(model, batch)",
+    memlab_error("model_fn", "already built", "lambda: model"),
 )
 panel(
     "forward-returns-none",

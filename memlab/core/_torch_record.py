@@ -140,6 +140,9 @@ def force_eager() -> Any:
     its per-call import: ``torch.compiler.set_stance`` costs several times more, and this runs
     at every native region. Checked 2.13."""
     if "module" not in _FORCED:
+        from memlab.core.warmup import warm_up
+
+        warm_up()  # imports torch._dynamo on a thread of its own, after any other thread's
         import torch._dynamo.eval_frame as module
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
@@ -166,6 +169,10 @@ def dispatch_modes_on() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
+def _nothing() -> None:
+    pass
+
+
 class GlobalHooks:
     """Module and optimizer hooks for the whole process (forward pre, forward always called,
     step pre, step post), put in and taken out at every region: written straight into the
@@ -181,6 +188,7 @@ class GlobalHooks:
         from torch.utils.hooks import RemovableHandle
 
         self._hooks = (pre, post, step_pre, step_post)
+        self._quiet: Any = _nothing  # takes out the warning filter `install` put in
         self._handles: list[Any] = []
         self._post_handle: Any = None
         try:
@@ -197,6 +205,9 @@ class GlobalHooks:
             self._dicts = None
 
     def install(self, post: bool = True) -> None:
+        from memlab.core.warn import quiet_compile_hooks
+
+        self._quiet = quiet_compile_hooks()
         if self._dicts is None:
             from torch.nn.modules import module as mm
             from torch.optim import optimizer as om
@@ -227,6 +238,8 @@ class GlobalHooks:
         self._always[self._ids[1]] = True
 
     def remove(self) -> None:
+        self._quiet()
+        self._quiet = _nothing
         if self._dicts is None:
             for handle in (*self._handles, self._post_handle):
                 if handle is not None:

@@ -29,6 +29,7 @@ from memlab.core.resizes import following_resizes
 from memlab.core.roles import Roles
 from memlab.core.storages import op_tensors, sparse_parts
 from memlab.core.warmup import warm_up
+from memlab.core.warn import quiet_compile_hooks
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _DETACH = torch.Tensor.detach
@@ -133,6 +134,7 @@ class Accountant(Roles):
         )
         for handle in hooks:
             self._stack.callback(handle.remove)
+        self._stack.callback(quiet_compile_hooks())
         on = _torch.saved_tensors_hooks_on()
         if on is not None and on[0] is native_pack():
             # a native region with a breakdown is open around this one: its op makes the

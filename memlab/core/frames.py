@@ -4,6 +4,7 @@ without memlab, whichever front end ran it (``%%gpumem``, `memlab.whatif.run`, `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sysconfig
@@ -85,6 +86,33 @@ def through_users_code(e: BaseException) -> bool:
     return any(not _file(t).startswith((_MEMLAB, *_LIBRARIES)) for t in _entries(e))
 
 
+#: Set on an exception that the user's code or input raised, even through library code alone
+#: (a model of PyTorch's layers refusing a shape): `users_traceback` strips memlab's frames.
+_USERS = "_memlab_users"
+
+
+def the_users(e: BaseException) -> None:
+    """Marks ``e`` as raised by what the user gave (their model on their input)."""
+    with contextlib.suppress(Exception):  # (a type that refuses attributes: left as it is)
+        setattr(e, _USERS, True)
+
+
+def chain_without_memlab(e: BaseException) -> None:
+    """``e`` and the errors it was raised from, without memlab's frames."""
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen and len(seen) < 16:
+        seen.add(id(link))
+        without_memlab(link)
+        link = link.__cause__ or link.__context__
+
+
+def raised_by_memlab(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback is memlab's own code."""
+    entries = _entries(e)
+    return bool(entries) and _file(entries[-1]).startswith(_MEMLAB)
+
+
 def users_traceback(
     own: tuple[type[BaseException], ...] = (),
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -98,13 +126,8 @@ def users_traceback(
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
-                if isinstance(e, own) or through_users_code(e):
-                    seen: set[int] = set()
-                    link: BaseException | None = e
-                    while link is not None and id(link) not in seen and len(seen) < 16:
-                        seen.add(id(link))
-                        without_memlab(link)
-                        link = link.__cause__ or link.__context__
+                if isinstance(e, own) or through_users_code(e) or getattr(e, _USERS, False):
+                    chain_without_memlab(e)
                 raise  # a bare raise adds no frame of this one's
 
         return front

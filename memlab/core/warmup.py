@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -20,7 +22,25 @@ class _PassThrough(TorchDispatchMode):
 _thread: threading.Thread | None = None
 
 
+#: How long the warm-up waits for another thread's import of torch._dynamo to finish.
+WAIT_FOR_IMPORT = 120.0
+
+
+def _imported_elsewhere() -> bool:
+    """Whether a thread (the user's: building an optimizer, a panel's run) is importing
+    torch._dynamo right now: its module exists, half initialised."""
+    module = sys.modules.get("torch._dynamo")
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def _first_mode() -> None:
+    # Two threads importing torch._dynamo at once can each find the other's half-made module
+    # (PyTorch's imports are circular): the one that loses gets an ImportError, and
+    # torch.compile stays broken for the process. So an import under way elsewhere is waited
+    # for, never joined.
+    deadline = time.monotonic() + WAIT_FOR_IMPORT
+    while _imported_elsewhere() and time.monotonic() < deadline:
+        time.sleep(0.01)
     with _PassThrough():
         torch.empty(0)
     # the first optimizer imports it too (on older PyTorch, where a dispatch mode does not)

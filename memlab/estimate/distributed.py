@@ -61,6 +61,11 @@ def per_rank(
 ) -> RankMemory:
     """One rank's memory at its peak for ``strategy`` over ``world_size`` GPUs (the rule:
     `memlab.step.ranks.divide`, with the estimate's breakdown and FSDP units)."""
+    if not isinstance(estimate, Estimate):
+        raise TypeError(
+            f"estimate got {type(estimate).__name__} {estimate!r:.60}: pass what "
+            "memlab.estimate.estimate(...) returned."
+        )
     breakdown = estimate.tensors.breakdown
     if breakdown is None:
         raise ValueError("the estimate has no breakdown to divide.")

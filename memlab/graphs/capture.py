@@ -16,6 +16,7 @@ import torch
 
 from memlab.core import _torch
 from memlab.core.autograd import iter_nodes
+from memlab.core.frames import the_users, users_traceback
 from memlab.graphs.args import (
     GraphArgumentError,
     NoGraphError,
@@ -38,6 +39,7 @@ __all__ = ["GraphArgumentError", "NoGraphError", "graph", "graph_of"]
 _LEAF_SEQ = 2**64 - 1  # AccumulateGrad nodes' sequence number
 
 
+@users_traceback(own=(GraphArgumentError, NoGraphError))  # the user's frames alone
 def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     """Run ``model(*inputs, **kwargs)`` with grad enabled and return its annotated graph.
 
@@ -59,10 +61,12 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     with _module_intervals(names, intervals), torch.enable_grad():
         try:
             out = model(*inputs, **kwargs)
-        except TypeError as e:  # a whole batch, or the loader, where a tensor goes
-            why = packed_inputs(inputs, e)
-            if why is None:
+        except Exception as e:
+            why = packed_inputs(inputs, e) if isinstance(e, TypeError) else None
+            if why is None:  # the model's, on its input: shown without memlab's frames
+                the_users(e)
                 raise
+            # a whole batch, or the loader, where a tensor goes
             raise GraphArgumentError(why) from e
     outputs = tensors_of(out)
     if not any(t.grad_fn is not None for t in outputs):

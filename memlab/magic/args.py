@@ -162,6 +162,8 @@ def _reserved(name: str) -> str | None:
         return f"IPython's own {name!r}"
     if name in vars(builtins):
         return f"Python's builtin {name!r}"
+    if len(name) > 4 and name.startswith("__") and name.endswith("__"):
+        return f"Python's own {name!r}"  # (__builtins__, __name__: a module's own names)
     return None
 
 

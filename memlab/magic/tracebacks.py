@@ -3,6 +3,7 @@ cell's own lines and the code it called, as it would without the magic."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from memlab.core.frames import without_memlab
@@ -16,5 +17,13 @@ def show_without_memlab(
     """IPython's custom exception handler while %gpumem_auto is on: the traceback as IPython
     would show it, less memlab's frames."""
     without_memlab(value)
-    shell.showtraceback((etype, value, value.__traceback__), tb_offset=tb_offset)
+    try:
+        shell.showtraceback((etype, value, value.__traceback__), tb_offset=tb_offset)
+    except Exception as e:  # its own __str__ raised: shown as IPython shows that, and the
+        # handler stays registered (IPython unregisters a handler that raises)
+        try:
+            without_memlab(e)
+            shell.showtraceback((type(e), e, e.__traceback__))
+        except Exception:
+            print(f"{etype.__name__}: <its message could not be shown>", file=sys.stderr)
     return []

@@ -28,6 +28,16 @@ def check_flag(name: str, value: Any) -> bool:
     raise TypeError(f"memlab.track: {_given(name, value)}: pass True or False.")
 
 
+def check_since(value: Any) -> int:
+    """``since``: a ledger serial (``ledger.next_serial()``), an int ≥ 0."""
+    if type(value) is not int or value < 0:
+        raise TypeError(
+            f"memlab.track: since must be a ledger serial, an int ≥ 0 (ledger.next_serial()), "
+            f"got {type(value).__name__} {value!r:.40}; leave it out to count everything."
+        )
+    return value
+
+
 def check_label(value: Any) -> str | None:
     if value is None or type(value) is str:
         return value

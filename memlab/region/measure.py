@@ -20,7 +20,7 @@ from memlab.core.native.eligible import eligible
 from memlab.core.native.region import NativeNotStartedError, NativeRegion, hand_over_open
 from memlab.core.recorder import Phase, Recorder
 from memlab.core.warmup import warm_up
-from memlab.region.args import called, check_flag, check_label, watched, weak_refs
+from memlab.region.args import called, check_flag, check_label, check_since, watched, weak_refs
 from memlab.region.assemble import assemble
 from memlab.reports.report import MemoryReport, Reports
 
@@ -78,7 +78,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 f"{type(ledger).__name__}: leave it out to use the default one."
             )
         self._ledger = ledger if ledger is not None else default_ledger()
-        self._since = since
+        self._since = check_since(since)
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder | NativeRegion] = {}
         self._native: NativeRegion | None = None
@@ -169,6 +169,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._state == "new":
+            raise RuntimeError(
+                "memlab.track: __exit__ without __enter__; use it as `with memlab.track(...):`"
+            )
         # A Ctrl-C while memlab closes the region waits until the region is closed and its
         # report built (closing again is safe: each step resumes where it stopped).
         deferred: KeyboardInterrupt | None = None

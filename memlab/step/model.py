@@ -16,6 +16,7 @@ from torch import nn
 
 from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
+from memlab.core.frames import raised_by_memlab, through_users_code
 from memlab.core.ledger import default_ledger, device_key
 from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
@@ -102,6 +103,24 @@ def cpu_to(value: Any, device: torch.device, depth: int = 0) -> Any:
         return type(value)(*moved)  # a namedtuple
     except Exception:  # a container of the user's that its items do not rebuild
         return value
+
+
+def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> Exception | None:
+    """What a model built of PyTorch's own layers raised on input_fn's batch (a shape or dtype
+    it does not take): a WhatIfError naming input_fn and what it returned. None where the
+    user's own code raised (its frames say where), memlab's did, or it is an out-of-memory."""
+    kinds = (RuntimeError, ValueError, IndexError, TypeError)
+    if not isinstance(e, kinds) or isinstance(e, (WhatIfError, torch.cuda.OutOfMemoryError)):
+        return None
+    if through_users_code(e) or raised_by_memlab(e):
+        return None
+    shown = ", ".join(f"{tuple(t.shape)} {str(t.dtype)[6:]}" for t in tensors[:4])
+    more = ", ..." if len(tensors) > 4 else ""
+    return WhatIfError(
+        f"the model's forward raised {type(e).__name__}: {str(e)[:300]}; on what "
+        f"input_fn({batch}) returned ({len(tensors)} tensor(s): {shown}{more}): make input_fn "
+        "return the shapes and dtypes the model takes."
+    )
 
 
 #: The optimizers memlab made for its runs (a user's step_fn may not step one of its own).

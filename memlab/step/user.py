@@ -13,7 +13,7 @@ from torch.nn.parameter import is_lazy
 
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
-from memlab.step.model import call, check_device, cpu_to
+from memlab.step.model import call, check_device, cpu_to, forward_error
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -59,14 +59,18 @@ class UserStep:
             args, kwargs = (), dict(value)
         try:
             return self.model(*args, **kwargs)
-        except TypeError as e:
-            if not refused_arguments(e):
+        except Exception as e:
+            if isinstance(e, TypeError) and refused_arguments(e):
+                raise WhatIfError(
+                    f"the model's forward refused the {len(args)} argument(s) input_fn "
+                    f"returned ({e}). If input_fn returns (inputs, targets), give your own "
+                    "forward and loss: step_fn=lambda model, batch: "
+                    "criterion(model(batch[0]), batch[1])."
+                ) from e
+            wrapped = forward_error(e, batch, tensors)  # a shape or dtype the model refused
+            if wrapped is None:
                 raise
-            raise WhatIfError(
-                f"the model's forward refused the {len(args)} argument(s) input_fn returned "
-                f"({e}). If input_fn returns (inputs, targets), give your own forward and loss: "
-                "step_fn=lambda model, batch: criterion(model(batch[0]), batch[1])."
-            ) from e
+            raise wrapped from e
 
     def loss(self, out: Any, accumulation: int = 1) -> torch.Tensor | None:
         """The training step's loss, divided for ``accumulation``; None when step_fn ran
