@@ -102,3 +102,59 @@ def test_a_card_in_decimal_gigabytes_is_named_as_written_with_its_gib() -> None:
     assert card.describe() == "custom 24 GB (22.35 GiB)"
     assert parse("24GiB").describe() == "custom 24 GiB" and parse("24GiB").memory == 24 * GiB
     assert parse("T4").describe() == "T4 (16 GiB)"
+
+
+def _saved_bytes(params: Any, *outputs: torch.Tensor) -> int:
+    """Bytes of the storages the outputs' graphs saved for backward (each storage once), the
+    parameters' aside (a weight saved as its transpose is the parameter's storage)."""
+    from memlab.graphs.saved import saved_tensors
+
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+    stack = [o.grad_fn for o in outputs]
+    nodes: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in nodes:
+            continue
+        nodes.add(id(node))
+        for _, t in saved_tensors(node):
+            st = t.untyped_storage()
+            if st.data_ptr() not in weights:
+                seen[st.data_ptr()] = st.nbytes()
+        stack.extend(f for f, _ in node.next_functions)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("first", ["-q", "-q -b"])
+def test_a_live_graph_from_an_earlier_cell_is_activation_whatever_its_cell_s_flags(
+    ip: Any, monkeypatch: pytest.MonkeyPatch, native: str, first: str
+) -> None:
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    setup = (
+        "torch.manual_seed(0)\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), "
+        "torch.nn.Linear(64, 64))\n"
+        "x = torch.randn(32, 64)"
+    )
+    assert run(ip, setup).success
+    assert run(ip, f"%%gpumem {first}\ny1 = net(x)").success
+    assert run(ip, "%%gpumem -q -b\ny2 = net(x)").success
+    assert run(ip, "%%gpumem -q -b -o later\nz = 1").success
+    at_end = ip.user_ns["later"].breakdown.at_end
+    y1, y2 = ip.user_ns["y1"], ip.user_ns["y2"]
+    # x (read by both first layers) and each ReLU's output: saved, whichever cell made them
+    params = ip.user_ns["net"].parameters()
+    assert at_end[Category.ACTIVATION] == _saved_bytes(params, y1, y2) == 3 * 32 * 64 * 4
+    assert at_end[Category.OTHER] == y1.untyped_storage().nbytes() + y2.untyped_storage().nbytes()
+
+
+def test_a_graph_released_by_backward_costs_one_node_and_nothing_is_marked(ip: Any) -> None:
+    setup = (
+        "net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(200)])\n"
+        "loss = net(torch.randn(4, 16)).sum()\nloss.backward()"
+    )
+    assert run(ip, setup).success
+    assert run(ip, "%%gpumem -q -b -o r\nz = 1").success
+    assert Category.ACTIVATION not in ip.user_ns["r"].breakdown.at_end
