@@ -22,13 +22,17 @@ def blocks(model: nn.Module) -> list[str]:
     children (two or more) are all of one type, or of one family (`_one_family`: a hybrid
     stack's attention and Mamba layers). Nested repeats inside a block are left alone."""
     found: list[str] = []
+    inside: set[str] = set()  # (each path's ancestors looked up: linear in the model's size)
     for path, module in model.named_modules():
-        if any(path.startswith(f + ".") for f in found):
+        parts = path.split(".")
+        if any(".".join(parts[:i]) in inside for i in range(1, len(parts))):
             continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.named_children())
             if len(children) >= 2 and _one_family([c for _, c in children]):
-                found += [f"{path}.{n}" if path else n for n, _ in children]
+                made = [f"{path}.{n}" if path else n for n, _ in children]
+                found += made
+                inside.update(made)
     return found
 
 
