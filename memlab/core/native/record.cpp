@@ -111,6 +111,8 @@ bool installed = false;
 uint64_t region = 0;  // the open region's number; 0 when none is open
 uint64_t regions = 0;
 int64_t seq = 0;
+int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
+bool overflow = false;
 // With a breakdown (`keep`): each event's time (CLOCK_MONOTONIC, ns: perf_counter's clock) and
 // phase, by sequence number.
 bool keep = false;
@@ -175,6 +177,19 @@ std::unordered_set<c10::StorageImpl*>& adopted_keys = *new std::unordered_set<c1
 // `allocs`): their free cannot be seen, so each op looks whether they died since (a
 // DataLoader's batches in shared memory come and go; few are alive at once).
 std::vector<size_t>& adopted_alive = *new std::vector<size_t>();
+// Storages from before the region, read in it, by the address of their block when read (each
+// weakly held in `read_seen`): how the free of an earlier block finds its storage (see
+// counted_free).
+std::unordered_map<uintptr_t, c10::StorageImpl*>& older_by_ptr =
+    *new std::unordered_map<uintptr_t, c10::StorageImpl*>();
+// Storages from before the region whose earlier block was swapped for memory not of the
+// wrapper's (see counted_free): that block's free is logged when the storage dies.
+struct Swapped {
+  c10::StorageImpl* storage;  // weakly held in `read_seen`
+  uintptr_t ptr;              // the earlier block
+  int64_t size;
+};
+std::vector<Swapped>& swapped_older = *new std::vector<Swapped>();
 
 constexpr int8_t kBackward = 2;  // Phase.BACKWARD
 
@@ -215,6 +230,39 @@ void look_at_adopted() {
     }
   }
   adopted_alive.resize(kept);
+  kept = 0;
+  for (const Swapped& w : swapped_older) {
+    if (c10::raw::weak_intrusive_ptr::use_count(w.storage) == 0) {
+      if (earlier_frees.size() < static_cast<size_t>(limit)) {
+        earlier_frees.push_back({w.ptr, w.size, stamp()});
+      } else {
+        overflow = true;
+      }
+    } else {
+      swapped_older[kept++] = w;
+    }
+  }
+  swapped_older.resize(kept);
+}
+
+// Whether some storage's free is looked for at each op (look_at_adopted). Under `mu`.
+bool watching() {
+  return !adopted_alive.empty() || !swapped_older.empty();
+}
+
+// Whether `s`, whose block at `ptr` the wrapper is freeing, lives on in memory not of the
+// wrapper's: UntypedStorage.share_memory_ (_share_fd_cpu_, _share_filename_cpu_) copies a
+// storage into shared memory and hands that memory to the same storage in place, and only
+// then is the old block freed. The storage's bytes did not leave (the dispatch mode's ledger
+// still holds it, at its size): its free is that of the storage, looked for at each op. A
+// storage that is dying (no strong reference), emptied, or moved to another block of the
+// wrapper's (resize_, followed elsewhere) is freed here as usual. Under `mu`.
+bool swapped_out(c10::StorageImpl* s, uintptr_t ptr) {
+  if (s == nullptr || c10::raw::weak_intrusive_ptr::use_count(s) == 0) {
+    return false;
+  }
+  const auto now = reinterpret_cast<uintptr_t>(s->data_ptr().get());
+  return now != 0 && now != ptr && live.count(now) == 0;
 }
 // Storages already handed to the ledger (weakly held, so an address is never reused while in
 // here): a later region's reads skip them. Pruned of the dead as it grows.
@@ -223,8 +271,6 @@ size_t prune_at = 4096;
 int64_t reported_to = 0;  // the ledger they were handed to (its Python identity)
 at::CallbackHandle handle = 0;
 int64_t marked = 0;
-int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
-bool overflow = false;
 bool transformed = false;  // the RecordFunction route saw ops inside a torch.func transform
 bool held = false;  // from a region's start until its record is released (read)
 // Whether this thread includes the dispatch key of the key route (see mode_fallback).
@@ -248,12 +294,23 @@ void counted_free(void* p) {
       Block& b = it->second;
       free_fn = b.free_fn;
       if (region != 0) {
+        auto ob = b.region == region ? older_by_ptr.end() : older_by_ptr.find(it->first);
         if (b.region == region) {
-          allocs[b.index].free_seq = stamp();
+          Alloc& a = allocs[b.index];
+          if (!a.superseded && swapped_out(a.storage, it->first)) {
+            adopted_alive.push_back(static_cast<size_t>(b.index));  // freed when it dies
+          } else {
+            a.free_seq = stamp();
+          }
+        } else if (ob != older_by_ptr.end() && swapped_out(ob->second, it->first)) {
+          swapped_older.push_back({ob->second, it->first, b.size});  // freed when it dies
         } else if (earlier_frees.size() < static_cast<size_t>(limit)) {
           earlier_frees.push_back({it->first, b.size, stamp()});
         } else {
           overflow = true;
+        }
+        if (ob != older_by_ptr.end()) {
+          older_by_ptr.erase(ob);
         }
       }
       live.erase(it);
@@ -488,6 +545,7 @@ void read_storage(c10::StorageImpl* s) {
   const auto nbytes = static_cast<int64_t>(s->nbytes());
   if (reported.count(s) != 0) {  // the ledger has it: only its block, should an op move it
     reported_reads.emplace(s, std::make_pair(key, nbytes));
+    older_by_ptr[key] = s;
     if (keep) {
       auto o = older.emplace(s, Older{key, nbytes, true});
       o.first->second.read = true;
@@ -512,6 +570,7 @@ void read_storage(c10::StorageImpl* s) {
     }
   }
   c10::raw::weak_intrusive_ptr::incref(s);
+  older_by_ptr[key] = s;
   read_index[s] = reads.size();
   reads.push_back({s, key, nbytes, false, false});
 }
@@ -859,7 +918,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     // their own, where this route does not follow them (the dispatch-key route does)
     transformed = true;
   }
-  if (!adopted_alive.empty()) {
+  if (watching()) {
     look_at_adopted();
   }
   if (std::strcmp(fn.name(), "aten::lift_fresh") == 0) {
@@ -940,7 +999,7 @@ void mode_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch:
     mine = route == 1 ? region : 0;
     if (mine == 0) {  // a stale key (see above): off this thread from now on
       key_off();
-    } else if (!adopted_alive.empty()) {
+    } else if (watching()) {
       look_at_adopted();
     }
     if (mine != 0 && n_in <= stack->size()) {
@@ -1116,6 +1175,8 @@ void drop_weak_refs() {
   empty_out(reported_reads);
   empty_out(moves);
   empty_out(adopted_alive);
+  empty_out(older_by_ptr);
+  empty_out(swapped_older);
   empty_out(current);
   empty_out(resizes);
   for (auto& kv : marks) {
@@ -1266,7 +1327,7 @@ void mn_end() {
   }
 #endif
   std::lock_guard<std::mutex> g(mu);
-  if (!adopted_alive.empty()) {
+  if (watching()) {
     look_at_adopted();
   }
   if (keep) {
