@@ -186,3 +186,31 @@ def test_arguments_checked_up_front() -> None:
     t = memlab.track()
     with pytest.raises(RuntimeError, match=r"__exit__ without __enter__"):
         t.__exit__(None, None, None)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_child_forked_in_a_region_runs_without_memlab_s_dispatch_mode(
+    monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    """A DataLoader's workers are forked inside the user's region: they must not carry the
+    region's accounting into every op they run."""
+    from memlab.core._torch import dispatch_mode_stack
+
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    with memlab.track("cpu", breakdown=True):
+        inside = len(dispatch_mode_stack())
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave without running pytest's exit
+            try:
+                y = torch.ones(3) * 2
+                os.write(w, f"{len(dispatch_mode_stack())} {y.sum().item()}".encode())
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        got = os.read(r, 100).decode()
+        os.close(r)
+        os.close(w)
+    assert inside == (1 if native == "0" else 0)
+    assert got == "0 6.0"

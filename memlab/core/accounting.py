@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import _torch, transforms
+from memlab.core import _torch, fork, transforms  # noqa: F401  (fork: registers its handler)
 from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
