@@ -12,13 +12,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import _torch, transforms
+from memlab.core import transforms
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
-
-#: The most autograd nodes `Roles.watch` reads for what graphs from before a region saved.
-MAX_GRAPH_NODES = 20_000
-_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 class Roles:
@@ -92,58 +88,13 @@ class Roles:
         that raises when looked at (a module whose parameters() fails, a tensor subclass that
         refuses its storage) is skipped and counted in the report's notes."""
         skipped = 0
-        graphs: list[Any] = []
         for obj in objects:
             try:
                 self._watch_one(obj)
-                if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
-                    graphs.append(obj.grad_fn)
             except Exception:
                 skipped += 1
         if skipped and not any(e.startswith("skipped") for e in self.errors):
             self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
-        if graphs and getattr(self, "breakdown", True):
-            self._saved_by(graphs)
-
-    def _saved_by(self, roots: list[Any]) -> None:
-        """What the graphs behind watched tensors hold saved for backward: activations, also
-        for a graph built before the region (a model's output a variable kept from an earlier
-        cell), as one built inside it is. A graph backward released is left at its first node
-        that says so; at most `MAX_GRAPH_NODES` nodes are read, and the notes say so."""
-        held: dict[int, Any] = {}  # each node once, alive until the walk ends (ids unique)
-        for root in roots:
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                if id(node) in held:
-                    continue
-                held[id(node)] = node
-                if len(held) > MAX_GRAPH_NODES:
-                    note = (
-                        "activations of graphs from before the region: the first "
-                        f"{MAX_GRAPH_NODES:,} autograd nodes read"
-                    )
-                    if note not in self.errors:
-                        self.errors.append(note)
-                    return
-                if not self._saved_of(node):
-                    break  # released by backward: so is the rest of this graph
-                stack.extend(f for f, _ in getattr(node, "next_functions", ()) if f is not None)
-
-    def _saved_of(self, node: Any) -> bool:
-        """Marks what ``node`` saved as activations; False where backward released it."""
-        names = _SAVED_NAMES.get(type(node))
-        if names is None:
-            names = _SAVED_NAMES[type(node)] = _torch.saved_attribute_names(node)
-        for name in names:
-            try:
-                value = getattr(node, name)
-            except Exception:  # "Trying to backward through the graph a second time"
-                return False
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    self.mark(t, Category.ACTIVATION)
-        return True
 
     def _watch_one(self, obj: Any) -> None:
         kind = type(obj)  # never obj.__class__: a proxy's may raise
