@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -112,7 +114,7 @@ def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> 
     kinds = (RuntimeError, ValueError, IndexError, TypeError)
     if not isinstance(e, kinds) or isinstance(e, (WhatIfError, torch.cuda.OutOfMemoryError)):
         return None
-    if through_users_code(e) or raised_by_memlab(e):
+    if through_users_code(e) or raised_by_memlab(e) or not _torch_layers_only(e):
         return None
     shown = ", ".join(f"{tuple(t.shape)} {str(t.dtype)[6:]}" for t in tensors[:4])
     more = ", ..." if len(tensors) > 4 else ""
@@ -120,6 +122,19 @@ def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> 
         f"the model's forward raised {type(e).__name__}: {str(e)[:300]}; on what "
         f"input_fn({batch}) returned ({len(tensors)} tensor(s): {shown}{more}): make input_fn "
         "return the shapes and dtypes the model takes."
+    )
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _torch_layers_only(e: BaseException) -> bool:
+    """Whether ``e`` passed through no code but PyTorch's and memlab's (a library model's own
+    code, transformers' say, has errors of its own that memlab explains elsewhere)."""
+    memlab_dir = os.path.dirname(os.path.dirname(__file__))
+    return all(
+        frame.f_code.co_filename.startswith((_TORCH_DIR, memlab_dir))
+        for frame, _ in traceback.walk_tb(e.__traceback__)
     )
 
 
