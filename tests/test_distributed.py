@@ -137,9 +137,9 @@ def _spread(result: dict[str, Any]) -> float:
 def job() -> dict[str, Any]:
     # spawn: _job is importable from this module. gloo's own thread can free a collective's
     # buffer after the op that used it returned, so once in a while one rank's peak holds a
-    # buffer the other's does not (seen once in fourteen runs: rank 0 +90 KiB at the optimizer
-    # step); the ranks run the same step (their shards part by 0.9%), so a job whose ranks part by more than 1.5% is run again
-    # once, and the closer of the two is kept
+    # buffer the other's does not (seen twice in about 25 runs: rank 0 +65 to +90 KiB at the
+    # optimizer step). The ranks run the same step (their shards part by 0.9%): a job whose
+    # ranks part by more than 1.5% is run again once, and the closer of the two is kept.
     result = launch(_job, world_size=WORLD)
     assert isinstance(result, dict)
     if _spread(result) > 0.015:

@@ -214,3 +214,45 @@ def test_a_child_forked_in_a_region_runs_without_memlab_s_dispatch_mode(
         os.close(w)
     assert inside == (1 if native == "0" else 0)
     assert got == "0 6.0"
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),  # (2.11 on)
+    reason="this PyTorch cannot tell a saved tensor's unpack hook without running it",
+)
+def test_reading_a_graph_never_runs_the_program_s_unpack_hooks() -> None:
+    """Reading what a graph saved through ``_saved_x`` unpacks it: a checkpointed forward is
+    recomputed, an offloaded activation copied back. memlab's graphs and the retained-graph
+    finder read what was packed instead."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memlab.graphs.retained import find_retained
+
+    calls = [0]
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return super().forward(x).relu()
+
+    layer = Counted(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = checkpoint(layer, x, use_reentrant=False)
+    assert calls == [1]
+    g = memlab.graph_of(out)
+    found = find_retained({"out": out})
+    assert calls == [1]  # never recomputed
+    assert g.activation_bytes == 0 and found is not None  # checkpointing saved no activation
+    unpacked = [0]
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        kept = torch.nn.Linear(16, 16)(x).relu()
+    g = memlab.graph_of(kept)
+    assert unpacked == [0]
+    # what the hook packed is what the graph holds: the ReLU's output (x, a leaf, is listed
+    # apart; the weight is a parameter)
+    assert g.activation_bytes == kept.untyped_storage().nbytes() > 0

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
+from memlab.core._torch_record import saved_value
 from memlab.core.storages import sparse_parts
 
 _NAMES: dict[type, tuple[str, ...]] = {}
@@ -25,14 +26,14 @@ def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
         names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
     for name in names:
         try:
-            value = getattr(node, name)
+            value = saved_value(node, name)  # never a program's unpack hook (see there)
         except RuntimeError as e:
             raise GraphFreedError(
                 f"{type(node).__name__} was already run by backward(), which freed what it "
                 "saved; look at the graph before calling backward()."
             ) from e
         for t in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor):  # (what a program's hook packed is not read)
                 yield name, t
 
 
