@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import emit, header, median_time
+from common import emit, header, median_time, under
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -52,7 +52,8 @@ def training_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        if x.is_cuda:
+            torch.cuda.synchronize()
 
     return step
 
@@ -63,16 +64,6 @@ WAYS: dict[str, Callable[[], Any]] = {
     "memlab.track()": lambda: memlab.track("cuda"),
     "memlab.track(breakdown=True)": lambda: memlab.track("cuda", breakdown=True),
 }
-
-
-def under(make: Callable[[], Any], step: Callable[[], None]) -> None:
-    """One step under the way ``make`` makes (its making timed too, as in bench_ops.py)."""
-    ctx = make()
-    if ctx is None:
-        step()
-    else:
-        with ctx:
-            step()
 
 
 def main() -> None:
@@ -140,7 +131,7 @@ def diagnosis() -> list[str]:
     for device in ("cuda", "cpu"):
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).to(device)
         x = torch.randn(16, 64, device=device)
-        step = training_step(model, x) if device == "cuda" else _cpu_step(model, x)
+        step = training_step(model, x)
         os.environ["MEMLAB_NATIVE"] = "0"
         try:
             for _ in range(3):
@@ -184,17 +175,6 @@ def diagnosis() -> list[str]:
     out += ["", "cProfile of 20 such steps on CUDA, by own time:", "", "```"]
     out += [line for line in text.getvalue().splitlines() if line.strip()][-20:]
     return [*out, "```"]
-
-
-def _cpu_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 class Counting(TorchDispatchMode):

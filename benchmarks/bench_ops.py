@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import emit, header
+from common import emit, header, under
 
 import memlab
 from memlab.core import native
@@ -144,12 +144,7 @@ def main() -> None:
         for way, make in ways.items():
             t0 = clock()
             for _ in range(args.steps):
-                ctx = make()
-                if ctx is None:
-                    step()
-                else:
-                    with ctx:
-                        step()
+                under(make, step)
             if r:  # round 0 warms up
                 times[way].append((clock() - t0) / args.steps)
     med = {w: statistics.median(t) for w, t in times.items()}

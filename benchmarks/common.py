@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,17 @@ def median_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def under(make: Callable[[], Any], step: Callable[[], None]) -> None:
+    """One step under the context ``make`` makes (None: the bare step); the making is timed
+    with the step, as a user's ``with memlab.track(...):`` pays it."""
+    ctx = make()
+    if ctx is None:
+        step()
+    else:
+        with ctx:
+            step()
 
 
 def emit(lines: list[str], out: str | None) -> None:
