@@ -249,7 +249,7 @@ def stream_levers(
     useful = 0
     for name, (serials, when) in sorted(held.items(), key=lambda kv: -weight(kv[1][0]))[:4]:
         lever = fit(f"del {name}", f"`del {name}` {when}", _without(set(serials)))
-        if lever.fits or replay_peak(stream, _without(set(serials)), None) < base:
+        if lever.fits or lever.peak_reserved < base:  # (not fitting: its unlimited peak)
             found.append(lever)
             useful += 1
             if useful == 2:
