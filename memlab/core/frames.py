@@ -13,6 +13,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import ParamSpec, TypeVar
 
+import torch
+
 _MEMLAB = str(Path(__file__).parents[1])  # the memlab package
 #: Where library code lives (the standard library, installed packages): frames there that
 #: memlab called (a thread it waited for, the op its dispatch mode ran) are not the user's.
@@ -105,6 +107,15 @@ def chain_without_memlab(e: BaseException) -> None:
         seen.add(id(link))
         without_memlab(link)
         link = link.__cause__ or link.__context__
+
+
+_TORCH = str(Path(torch.__file__).parent)
+
+
+def through_torch_alone(e: BaseException) -> bool:
+    """Whether ``e`` passed through no code but PyTorch's and memlab's (not the user's, nor a
+    library model's such as transformers')."""
+    return all(_file(t).startswith((_TORCH, _MEMLAB)) for t in _entries(e))
 
 
 def raised_by_memlab(e: BaseException) -> bool:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,7 +16,7 @@ from torch import nn
 
 from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
-from memlab.core.frames import raised_by_memlab, through_users_code
+from memlab.core.frames import raised_by_memlab, through_torch_alone
 from memlab.core.ledger import default_ledger, device_key
 from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
@@ -114,7 +112,8 @@ def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> 
     kinds = (RuntimeError, ValueError, IndexError, TypeError)
     if not isinstance(e, kinds) or isinstance(e, (WhatIfError, torch.cuda.OutOfMemoryError)):
         return None
-    if through_users_code(e) or raised_by_memlab(e) or not _torch_layers_only(e):
+    # (a user's own code among its frames, or a library model's, explains itself)
+    if raised_by_memlab(e) or not through_torch_alone(e):
         return None
     shown = ", ".join(f"{tuple(t.shape)} {str(t.dtype)[6:]}" for t in tensors[:4])
     more = ", ..." if len(tensors) > 4 else ""
@@ -122,19 +121,6 @@ def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> 
         f"the model's forward raised {type(e).__name__}: {str(e)[:300]}; on what "
         f"input_fn({batch}) returned ({len(tensors)} tensor(s): {shown}{more}): make input_fn "
         "return the shapes and dtypes the model takes."
-    )
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-def _torch_layers_only(e: BaseException) -> bool:
-    """Whether ``e`` passed through no code but PyTorch's and memlab's (a library model's own
-    code, transformers' say, has errors of its own that memlab explains elsewhere)."""
-    memlab_dir = os.path.dirname(os.path.dirname(__file__))
-    return all(
-        frame.f_code.co_filename.startswith((_TORCH_DIR, memlab_dir))
-        for frame, _ in traceback.walk_tb(e.__traceback__)
     )
 
 
