@@ -24,6 +24,7 @@ from memlab.core.collectives import Collectives, is_collective
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native.objects import HANDED
 from memlab.core.native.roles import native_pack
+from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Phase
 from memlab.core.resizes import following_resizes
 from memlab.core.roles import Roles
@@ -294,7 +295,3 @@ class Accountant(Roles):
 
 
 _OPT = "an optimizer's roles not read"
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t

@@ -15,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memlab.core import transforms
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
+from memlab.core.older_graphs import saved_by_older_graphs
 
 
 class Roles:
@@ -95,6 +96,24 @@ class Roles:
                 skipped += 1
         if skipped and not any(e.startswith("skipped") for e in self.errors):
             self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
+
+    def watch_graphs(self, objects: Iterable[Any]) -> list[str]:
+        """What the graphs behind the tensors among ``objects`` hold saved, told the ledger as
+        saved (see `memlab.core.older_graphs`): before a region starts, so that its record
+        knows them from its start. Returns the notes it added to ``errors``."""
+        outputs = []
+        for obj in objects:
+            try:
+                if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
+                    outputs.append(obj)
+            except Exception:  # a hostile subclass: `watch` counts it as skipped
+                continue
+        try:
+            notes = saved_by_older_graphs(outputs, self.ledger)
+        except Exception:  # a graph that cannot be read: its storages stay "other"
+            notes = ["what a graph from before the region saved: not read"]
+        self.errors.extend(n for n in notes if n not in self.errors)
+        return notes
 
     def _watch_one(self, obj: Any) -> None:
         kind = type(obj)  # never obj.__class__: a proxy's may raise

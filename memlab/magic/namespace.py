@@ -6,8 +6,9 @@ adds a name per input, ``_i42``). ``NamespaceWatch`` therefore looks again only 
 one pass in C over the names and the identities of their values finds the names bound or rebound
 since the last scan; only those are examined in Python. Tensors under unchanged names are not
 handed out again: their storages are already in the ledger, alive as long as the name holds them.
-Modules, optimizers, leaf tensors that require grad and the contents of containers (mutable
-without a new binding) are handed out at every scan, as before.
+Modules, optimizers, tensors that require grad (a leaf's gradient, the graph behind a model's
+output) and the contents of containers (mutable without a new binding) are handed out at every
+scan, as before.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _lasting(value: Any) -> bool:
     """Worth handing out at every scan: its roles can change without a new binding."""
     kind = type(value)
     if issubclass(kind, torch.Tensor):
-        try:
-            return bool(value.requires_grad and value.is_leaf)
+        try:  # a leaf's gradient, or the graph a model's output holds (its activations)
+            return bool(value.requires_grad)
         except Exception:  # a hostile subclass: hand it out every time, as the full scan did
             return True
     return True  # modules and optimizers
@@ -92,7 +93,7 @@ class NamespaceWatch:
     """``watchable`` for one namespace, scanning only what changed since the last call.
 
     Each call returns the objects under names bound or rebound since the previous call, plus
-    every module, optimizer and grad-requiring leaf tensor, plus the contents of the short
+    every module, optimizer and tensor that requires grad, plus the contents of the short
     containers. A name rebound to a new object that happens to reuse the old one's address
     between two calls is not seen as changed; its tensor is counted when a region uses it.
     """

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from memlab.core import older_graphs
 from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
@@ -138,7 +139,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
 
     def _new_accountant(self) -> Accountant:
         acc = self._accountant = Accountant(self._ledger, self.breakdown)
-        acc.watch(self._watched())
+        watched = list(self._watched())
+        if self.breakdown:
+            acc.watch_graphs(watched)
+        acc.watch(watched)
         for t in _alive(self._inputs):
             acc.mark(t, Category.INPUT)
         return acc
@@ -207,6 +211,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if acc is not None:
                 acc.uninstall()
                 if self._state == "open" and self.breakdown:
+                    older_graphs.released()  # (heard by the recorders at the next settling)
                     acc.watch(self._watched())
                     acc.finish()
         finally:

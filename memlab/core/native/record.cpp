@@ -1612,6 +1612,16 @@ void mn_mark(intptr_t storage, int code) {
   }
 }
 
+// A storage from before the region that the ledger counted as saved for backward (a graph
+// from an earlier cell, walked by memlab.core.older_graphs), found released now: logged as the
+// end of an older alias's saving is. Only while the region is open, with a breakdown.
+void mn_unsaved(intptr_t storage) {
+  std::lock_guard<std::mutex> g(mu);
+  if (region != 0 && keep && storage != 0) {
+    saved_event(reinterpret_cast<c10::StorageImpl*>(storage), -1);
+  }
+}
+
 // The roles given in the region: a new weak reference to each storage, and its code. Returns
 // how many were written (at most cap).
 int64_t mn_marks(intptr_t* storages, int64_t* codes, int64_t cap) {

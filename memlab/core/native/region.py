@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from memlab.core import _torch, resizes
+from memlab.core import _torch, older_graphs, resizes
 from memlab.core._torch_record import (
     dispatch_modes_on,
     force_eager,
@@ -108,6 +108,12 @@ class NativeRegion:
     # -- the Recorder's lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         ledger = self.ledger
+        watched: list[Any] = []
+        notes: list[str] = []
+        if self.roles is not None:
+            watched = list(self.watched())
+            if self._saved:  # before the record: it knows their storages from its start
+                notes = self.roles.watch_graphs(watched)
         with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
             ledger.settle()
             self.before = ledger._totals.get(_CPU, 0)
@@ -135,7 +141,8 @@ class NativeRegion:
         if self.roles is not None:
             try:
                 self.roles.install(self._saved)
-                self.roles.watch(self.watched())
+                self.roles.errors.extend(notes)
+                self.roles.watch(watched)
             except BaseException:
                 self._close_record()
                 self._done(frees)
@@ -180,6 +187,9 @@ class NativeRegion:
         self._open = False
         try:
             if self.roles is not None:
+                if self._saved:
+                    lib = self._lib
+                    older_graphs.released(lambda s: lib.mn_unsaved(storage_address(s)))
                 self.roles.uninstall()
         finally:
             self._lib.mn_end()
@@ -261,7 +271,8 @@ class NativeRegion:
             n = len(known)
             if self.roles is not None:
                 # the roles alive now, once what the region made is in the ledger (a watched
-                self.roles.watch(self.watched())  # tensor it made is not one from before it)
+                # tensor it made is not one from before it)
+                self.roles.watch(self.watched())
                 self.roles.finish()
                 self.notes.extend(e for e in self.roles.errors if e not in self.notes)
                 base = self.before + sum(dead_reads.values())

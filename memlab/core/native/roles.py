@@ -30,16 +30,14 @@ from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native import pack
 from memlab.core.native.objects import typed_tensors
 from memlab.core.native.outer import Outer
+from memlab.core.older_graphs import OWN_UNPACK
+from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Phase
 from memlab.core.roles import Roles
 
 #: A category's code in the library: its priority + 1 (lower is stronger; 0 none).
 CODE: dict[Category, int] = {c: p + 1 for c, p in PRIORITY.items()}
 CATEGORY: dict[int, Category] = {code: c for c, code in CODE.items()}
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 #: The library's op memlab's native saved-tensor hook calls, once registered.
@@ -125,6 +123,8 @@ class NativeRoles(Roles):
         in_c = pack.hooks() if int(self.lib.mn_route()) == 1 else None  # (None until built)
         if in_c is not None:
             self._pack, self._unpack = in_c
+            if not any(own is in_c[1] for own in OWN_UNPACK):
+                OWN_UNPACK.append(in_c[1])
         else:
             if self._op is None:
                 if int(self.lib.mn_saved_op()) != 0:

@@ -38,6 +38,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_saved_op.restype = ctypes.c_int
     lib.mn_mark.argtypes = [ctypes.c_ssize_t, ctypes.c_int]
     lib.mn_mark.restype = None
+    lib.mn_unsaved.argtypes = [ctypes.c_ssize_t]
+    lib.mn_unsaved.restype = None
     lib.mn_older.argtypes = [ipp, up, i64p, i64p, i64p, i64]
     lib.mn_older.restype = i64
     lib.mn_sticky.argtypes = [ctypes.c_ssize_t, ctypes.c_int]

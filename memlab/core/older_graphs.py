@@ -1,0 +1,222 @@
+"""What the graphs built before a region hold saved for backward.
+
+A model's output kept in a variable keeps its autograd graph alive, and with it every tensor
+the graph saved: activations. A graph built inside a region with a breakdown is followed by
+memlab's saved-tensor hooks: the ledger counts each storage saved until backward lets it go.
+One built elsewhere (a cell without ``-b``, code before memlab was loaded) is found here, at a
+breakdown's look at the namespace: the graph behind a tensor is walked once, reading what each
+node saved without running a program's unpack hook (a checkpointed forward would be computed
+again, an offloaded activation copied back), and the ledger counts its saved storages as saved
+while a token of the walk lives (`memlab.core.ledger.Ledger.saved_by`). The token goes when
+the output dies, when a later look finds the graph released by backward, or when it finds
+another graph behind the output (an in-place op): then the new one is walked.
+
+A later look costs one check per graph: the root is of the same node type, and the first node
+found holding a tensor still holds the same storage (backward releases it). Reading what a node
+saved without its hooks needs PyTorch 2.11 or later; before, nothing is read, and such a
+graph's storages stay "other", as they were.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memlab.core import _torch
+from memlab.core._torch_record import HOOKED, saved_hook, saved_value
+from memlab.core.storages import storage_of
+
+if TYPE_CHECKING:
+    from memlab.core.ledger import Ledger
+
+#: The most autograd nodes one walk reads, and the most one look starts walks for (a list of
+#: losses kept with their graphs: one walk each); the report's notes say when either stopped.
+MAX_NODES = 20_000
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def unpack(t: torch.Tensor) -> torch.Tensor:
+    """memlab's regions' unpack hook in Python: what they pack is the tensor's alias."""
+    return t
+
+
+#: memlab's own unpack hooks (the one in C joins once built): a graph whose first saved
+#: tensor has one was built under them, and the ledger follows it already.
+OWN_UNPACK: list[Any] = [unpack]
+
+
+class _Token:
+    """Lives as long as one walk's saved storages count as saved (the ledger's weak
+    reference to it ends the saving)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Walk:
+    """What one output's graph saved, as found when it was walked."""
+
+    __slots__ = ("cut", "path", "probe", "root", "storages", "token")
+
+    def __init__(self, root: type) -> None:
+        self.root = root  # the type of the output's grad_fn then (an in-place op changes it)
+        #: next_functions indices from the root to the first node found holding a tensor, and
+        #: that node's attribute and storage (None: nothing saved, or released)
+        self.path: tuple[int, ...] | None = None
+        self.probe: tuple[str, weakref.ref[Any]] | None = None
+        self.token: _Token | None = _Token()
+        self.storages: list[weakref.ref[Any]] = []  # those the ledger counts as saved
+        self.cut = False  # stopped at MAX_NODES
+
+
+_WALKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _saved(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(attribute, tensor) for each tensor ``node`` holds saved, never through a hook; raises
+    RuntimeError where backward released them."""
+    names = _NAMES.get(type(node))
+    if names is None:
+        names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
+    for name in names:
+        value = saved_value(node, name, strict=True)
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if t is not HOOKED and isinstance(t, torch.Tensor):
+                yield name, t
+
+
+def _own(node: Any, name: str) -> bool:
+    hook = saved_hook(node, name)
+    return hook is not None and any(hook is own for own in OWN_UNPACK)
+
+
+def _walk(root: Any) -> tuple[_Walk, list[torch.Tensor], int]:
+    """Walks ``root``'s graph: each node once, a released node's inputs not followed (backward
+    ran through them too). Returns the walk, the saved tensors (none for a graph built under
+    memlab's own hooks, as its first node holding a tensor says) and the nodes read."""
+    walk = _Walk(type(root))
+    found: list[torch.Tensor] = []
+    held: dict[int, Any] = {}  # each node once, alive until the walk ends (ids stay unique)
+    stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in held:
+            continue
+        held[id(node)] = node
+        if len(held) > MAX_NODES:
+            walk.cut = True
+            break
+        try:
+            saved = [(n, t, s) for n, t in _saved(node) if (s := storage_of(t)) is not None]
+        except RuntimeError:  # "backward through the graph a second time": released
+            continue
+        if saved and walk.path is None:
+            name, _, storage = saved[0]
+            walk.path, walk.probe = path, (name, weakref.ref(storage))
+            if _own(node, name):
+                return walk, [], len(held)
+        found.extend(t for _, t, _ in saved)
+        nexts = getattr(node, "next_functions", ())
+        if walk.path is None:  # the way to the first node holding a tensor, kept for it alone
+            stack.extend((f, (*path, i)) for i, (f, _) in enumerate(nexts) if f is not None)
+        else:
+            stack.extend((f, ()) for f, _ in nexts if f is not None)
+    return walk, found, len(held)
+
+
+def _still(walk: _Walk, root: Any) -> bool | None:
+    """Whether ``walk`` still holds for the graph at ``root``: True where it does, False where
+    backward released it, None where it must be walked again (another graph now)."""
+    if type(root) is not walk.root:
+        return None
+    if walk.path is None or walk.probe is None:
+        return True  # nothing saved was found: nothing to check
+    node: Any = root
+    try:
+        for i in walk.path:
+            node = node.next_functions[i][0]
+        name, ref = walk.probe
+        value = saved_value(node, name, strict=True)
+    except RuntimeError:
+        return False
+    except Exception:  # (an index gone: another graph)
+        return None
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    storage = ref()
+    if storage is None or not any(
+        isinstance(t, torch.Tensor) and storage_of(t) is storage for t in values
+    ):
+        return None
+    return True
+
+
+def saved_by_older_graphs(outputs: list[torch.Tensor], ledger: Ledger) -> list[str]:
+    """Tells ``ledger`` what the graphs behind ``outputs`` hold saved (each graph walked once,
+    then checked at each call). Returns notes for the report: a walk cut at MAX_NODES, graphs
+    left for the next look."""
+    cut = False
+    read = left = 0
+    for out in outputs:
+        root = out.grad_fn
+        if root is None:
+            continue
+        walk = _WALKS.get(out)
+        if walk is not None:
+            state = _still(walk, root)
+            if state is not None:
+                if not state:  # released by backward: what it saved counts no more
+                    _forget(walk)
+                cut = cut or walk.cut
+                continue
+        if read >= MAX_NODES:
+            left += 1
+            continue
+        walk, found, nodes = _walk(root)
+        read += nodes
+        _WALKS[out] = walk  # (the walk it replaces, and its token, go: counted no more)
+        for t in found:
+            ledger.saved_by(t, walk.token)  # type: ignore[arg-type]
+            walk.storages.append(weakref.ref(storage_of(t)))
+        cut = cut or walk.cut
+    notes = []
+    if cut:
+        notes.append(
+            f"activations of a graph from before the region: its first {MAX_NODES:,} "
+            "autograd nodes read"
+        )
+    if left:
+        notes.append(
+            f"activations of {left} graph(s) from before the region not read yet (at most "
+            f"{MAX_NODES:,} autograd nodes are read at each look: the next regions read on)"
+        )
+    return notes
+
+
+def released(unsaved: Callable[[Any], None] | None = None) -> None:
+    """At a region's end: each walked graph that backward released since (or that is another
+    graph now) counts no more, ``unsaved(storage)`` told for each of its storages alive."""
+    for out, walk in list(_WALKS.items()):
+        if walk.token is None:
+            continue
+        state = _still(walk, out.grad_fn)
+        if state:
+            continue
+        storages = [s for s in (r() for r in walk.storages) if s is not None]
+        if state is None:  # another graph: walked at the next look
+            _WALKS.pop(out, None)
+        _forget(walk)
+        if unsaved is not None:
+            for storage in storages:
+                unsaved(storage)
+
+
+def _forget(walk: _Walk) -> None:
+    """What ``walk`` found counts no more (its token goes: the ledger hears it at its next
+    settling); nothing is left to check."""
+    walk.token = None
+    walk.storages = []
+    walk.path = walk.probe = None
