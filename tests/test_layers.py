@@ -28,8 +28,8 @@ FLOORS = [
 PINNED = {"examples": 4}
 #: The seam, the one module allowed to name private PyTorch attributes.
 SEAM = "core/_torch.py"
-#: The seam's second file: the profiler's allocation record.
-SEAMS = {SEAM, "core/_torch_record.py"}
+#: The seam's other files: the profiler's allocation record; what autograd holds.
+SEAMS = {SEAM, "core/_torch_record.py", "core/_torch_autograd.py"}
 #: Modules allowed over 300 lines: tables of ops, not logic.
 OP_TABLES = {"estimate/autocast.py"}
 MAX_LINES = 300

@@ -267,34 +267,3 @@ def saved_hooks_module() -> Any:
     """``torch._C._autograd``, whose push and pop of saved-tensor hooks memlab follows where
     the pair in force cannot be read (`memlab.core.transforms`). Checked 2.4.1, 2.11, 2.13."""
     return torch._C._autograd
-
-
-#: What `saved_value` answers for a saved tensor a program's hook packed as no tensor.
-HOOKED = object()
-
-
-def saved_value(node: Any, name: str, strict: bool = False) -> Any:
-    """What autograd node ``node`` holds saved under ``name`` (``_saved_x``), never running a
-    program's unpack hook (one may recompute a checkpointed forward, or copy an offloaded
-    activation back). Through ``_raw_saved_x`` (``SavedTensor``s with ``unpack_hook`` and
-    ``data``, 2.11 on): where a hook was set, what it packed if that is a tensor (memlab's
-    alias, a hook that packs the tensor itself), else `HOOKED`; without hooks, or on a PyTorch
-    without those attributes, the attribute as it is (``strict``: `HOOKED`, where a hook
-    cannot be seen). Checked 2.4.1, 2.11, 2.13."""
-    raw = getattr(node, "_raw" + name, None)
-    items = raw if isinstance(raw, (list, tuple)) else (raw,)
-    if raw is None or not all(hasattr(i, "unpack_hook") and hasattr(i, "data") for i in items):
-        return HOOKED if strict else getattr(node, name)
-    hooks = [item.unpack_hook for item in items]
-    if all(hook is None for hook in hooks):  # nothing to run (raises if backward released it)
-        return getattr(node, name)
-    out = [item.data if isinstance(item.data, torch.Tensor) else HOOKED for item in items]
-    return out if isinstance(raw, (list, tuple)) else out[0]
-
-
-def saved_hook(node: Any, name: str) -> Any:
-    """The unpack hook set on what ``node`` saved under ``name`` (its first tensor's, for a
-    list); None where none is, or where this PyTorch cannot say. Checked 2.4.1, 2.11, 2.13."""
-    raw = getattr(node, "_raw" + name, None)
-    item = raw[0] if isinstance(raw, (list, tuple)) and raw else raw
-    return getattr(item, "unpack_hook", None)

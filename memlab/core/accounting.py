@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import _torch, fork, transforms  # noqa: F401  (fork: registers its handler)
+from memlab.core import _torch, fork, older_graphs, transforms  # noqa: F401  (fork: registers its handler)
 from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
@@ -288,7 +288,10 @@ class Accountant(Roles):
             self.mark(grad, Category.GRADIENT)
 
     def finish(self) -> None:
-        """Last look at roles before the report: gradients and optimizer states now alive."""
+        """Last look at roles before the report: gradients and optimizer states now alive,
+        and older graphs backward released (heard by the recorders now, as they settle)."""
+        older_graphs.released()
+        self.ledger.settle()
         self.sweep_gradients()
         for opt in list(self._optimizers):
             self._safely(_OPT, self.watch_optimizer, opt)

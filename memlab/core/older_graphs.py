@@ -27,7 +27,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import _torch
-from memlab.core._torch_record import HOOKED, saved_hook, saved_value
+from memlab.core._torch_autograd import HOOKED, saved_hook, saved_value
 from memlab.core.storages import storage_of
 
 if TYPE_CHECKING:

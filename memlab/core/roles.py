@@ -97,12 +97,15 @@ class Roles:
         if skipped and not any(e.startswith("skipped") for e in self.errors):
             self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
 
-    def watch_graphs(self, objects: Iterable[Any]) -> list[str]:
-        """What the graphs behind the tensors among ``objects`` hold saved, told the ledger as
-        saved (see `memlab.core.older_graphs`): before a region starts, so that its record
-        knows them from its start. Returns the notes it added to ``errors``."""
+    def first_look(self, objects: Iterable[Any], graphs: bool) -> list[Any]:
+        """``objects`` as a list (for `watch`); with ``graphs``, what the graphs behind the
+        tensors among them hold saved is told the ledger first (`memlab.core.older_graphs`):
+        before a region's record starts, so that it knows those storages from its start."""
+        found = list(objects)
+        if not graphs:
+            return found
         outputs = []
-        for obj in objects:
+        for obj in found:
             try:
                 if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
                     outputs.append(obj)
@@ -113,7 +116,7 @@ class Roles:
         except Exception:  # a graph that cannot be read: its storages stay "other"
             notes = ["what a graph from before the region saved: not read"]
         self.errors.extend(n for n in notes if n not in self.errors)
-        return notes
+        return found
 
     def _watch_one(self, obj: Any) -> None:
         kind = type(obj)  # never obj.__class__: a proxy's may raise

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-import torch.utils.checkpoint
 
 from memlab.core import _torch
+from memlab.core._torch_autograd import checkpoint_patches
 
 LOWER_PRECISION = [
     "_convolution",
@@ -309,19 +309,19 @@ def _entry_points() -> list[tuple[Any, str, str]]:
     return found
 
 
-def _recomputed_in_region(checkpoint: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
-    """``torch.utils.checkpoint.checkpoint`` whose recomputation, in backward, runs under the
-    same emulated autocast as the forward did (real checkpointing does this for real autocast;
-    it cannot know of the emulation)."""
+def _in_region(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """Wraps a checkpointed function so that it runs under the emulated autocast, in forward
+    and when backward recomputes it (real checkpointing restores real autocast for the
+    recomputation; it cannot know of the emulation)."""
 
-    def checkpoint_in_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def wrap(function: Any) -> Any:
         def under_autocast(*a: Any, **k: Any) -> Any:
             with emulated(dtype):  # in forward: the region already open; in backward: reopened
                 return function(*a, **k)
 
-        return checkpoint(under_autocast, *args, **kwargs)
+        return under_autocast
 
-    return checkpoint_in_region
+    return wrap
 
 
 @contextlib.contextmanager
@@ -337,11 +337,78 @@ def emulated(dtype: torch.dtype) -> Iterator[None]:
         (owner, name, _wrap(getattr(owner, name), policy))
         for owner, name, policy in _entry_points()
     ]
-    ck = torch.utils.checkpoint
-    patches.append((ck, "checkpoint", _recomputed_in_region(ck.checkpoint, dtype)))
+    patches += checkpoint_patches(_in_region(dtype))  # however the program imported it
     with _torch.patched(patches):  # Tensor methods live on TensorBase: deleted again after
         _state.region = _Region(dtype)
         try:
             yield
         finally:
             _state.region = None
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    """No emulated autocast inside (``torch.autocast(..., enabled=False)`` in the program)."""
+    region = _region()
+    _state.region = None
+    try:
+        yield
+    finally:
+        _state.region = region
+
+
+#: The devices whose ``torch.autocast`` the estimate runs as the emulation: code written for a
+#: GPU names "cuda"; code that asks its tensors' device (on meta while estimating) names "meta".
+_EMULATED_DEVICES = ("cuda", "meta")
+
+
+@contextlib.contextmanager
+def own_autocast(seen: list[str]) -> Iterator[None]:
+    """While estimating: the program's own ``torch.autocast("cuda", dtype)`` (also
+    ``torch.cuda.amp.autocast``, however imported: the class's methods are replaced) runs as
+    the emulation of CUDA's autocast to that dtype, ``enabled=False`` suspends the emulation
+    (a rotary embedding computed in float32), and ``"meta"`` (a device type read off a tensor)
+    counts as CUDA's, which PyTorch refuses on meta. What was emulated is added to ``seen``
+    (once each) for the notes. Other devices' autocast runs as it is."""
+    cls = torch.amp.autocast_mode.autocast
+    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+
+    def own_init(
+        self: Any,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        if device_type not in _EMULATED_DEVICES:
+            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            return
+        self.device, self._enabled = device_type, enabled
+        self.fast_dtype = torch.float16 if dtype is None else dtype
+        self.memlab_emulated = []  # (one instance may be entered again inside)
+
+    def own_enter(self: Any) -> Any:
+        if not hasattr(self, "memlab_emulated"):
+            return enter(self)
+        if self._enabled and self.fast_dtype in HALF:
+            context: Any = emulated(self.fast_dtype)
+            said = f"the step's own torch.autocast({self.device!r}, {self.fast_dtype}): emulated"
+            if self.device == "cuda" and said not in seen:
+                seen.append(said)
+        else:
+            context = _suspended()
+        context.__enter__()
+        self.memlab_emulated.append(context)
+        return None
+
+    def own_exit(self: Any, *exc: Any) -> Any:
+        if not hasattr(self, "memlab_emulated"):
+            return exit_(self, *exc)
+        if self.memlab_emulated:
+            self.memlab_emulated.pop().__exit__(*exc)
+        return False
+
+    with _torch.patched(
+        [(cls, "__init__", own_init), (cls, "__enter__", own_enter), (cls, "__exit__", own_exit)]
+    ):
+        yield

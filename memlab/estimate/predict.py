@@ -19,7 +19,7 @@ from memlab.core import _torch
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.frames import users_traceback
 from memlab.core.ledger import default_ledger
-from memlab.estimate.autocast import emulated
+from memlab.estimate.autocast import emulated, own_autocast
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
 from memlab.estimate.kernels import (
@@ -38,7 +38,6 @@ from memlab.estimate.redirect import (
     META,
     OrdinaryInputs,
     build_on_meta,
-    meta_autocast,
     meta_device_module,
     redirected,
 )
@@ -122,6 +121,7 @@ def estimate(
 
     ledger = default_ledger()
     assumed: list[str] = []  # what library value checks took for granted on meta
+    own: list[str] = []  # the program's own autocast regions, emulated
 
     def measuring(moment: str) -> None:
         if moment != "opened":  # inside the region, nothing to settle
@@ -137,7 +137,10 @@ def estimate(
     ledger.attach(listener)
     try:
         sms = sms_of(card.name if card else None)
-        with _cuda_like(cuda_kernels, workspaces.take, sms), OrdinaryInputs(assumed) as checks:
+        with (
+            _cuda_like(cuda_kernels, workspaces.take, sms, own),
+            OrdinaryInputs(assumed) as checks,
+        ):
             # torch.compile is not modelled: the eager step, said in the notes (toggles.py)
             ran = config.with_(compile=False)
             result = run(
@@ -156,8 +159,12 @@ def estimate(
     found = _prediction(
         config, card, result.report, listener, tuple(workspaces.taken), tuple(units)
     )
-    if assumed:
-        notes = (*found.report.notes, *(f"assumed {a} (not checked on meta)" for a in assumed))
+    if assumed or own:
+        notes = (
+            *found.report.notes,
+            *own,
+            *(f"assumed {a} (not checked on meta)" for a in assumed),
+        )
         found = dataclasses.replace(found, report=dataclasses.replace(found.report, notes=notes))
     if trace:
         stream = {
@@ -181,7 +188,7 @@ def _on_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
+def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int, own: list[str]) -> Any:
     """Accounting for the whole run, warm-up included, on meta; with ``cuda_kernels``,
     attention, dropout, the transformer layers' fast paths and the LSTM as CUDA runs them (the
     attention kernels' seed and offset on the CPU: the accounting's mode, entered after, sees
@@ -198,7 +205,7 @@ def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int) -> Any:
         copies,
         handles,
         meta_device_module(),
-        meta_autocast(),  # transformers 4's `torch.autocast(x.device.type)` on meta
+        own_autocast(own),  # the program's torch.autocast("cuda"), and on meta
         grouped,
     ):
         yield

@@ -22,6 +22,7 @@ from typing import Any
 from memlab.core.categories import Category, stronger
 from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from memlab.estimate.autocast import own_autocast
 from memlab.estimate.gpus import GPU
 from memlab.estimate.holders import variable_names, variable_root
 from memlab.estimate.oom import explain, replay_peak, stream_levers
@@ -78,7 +79,7 @@ class Flight:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, filename: str) -> None:
         """Attach; ``filename``: the cell's, whose lines stamp the allocations. Until `stop`,
-        code written for CUDA (``.cuda()``, ``device="cuda"``) runs on the CPU."""
+        code written for CUDA (``.cuda()``, ``torch.autocast("cuda")``) runs on the CPU."""
         self.filename = filename
         with self.ledger._lock:
             for e in self.ledger.entries(self.device):
@@ -89,6 +90,7 @@ class Flight:
                 self.on_discovered(e.serial, e.nbytes)
             self.ledger.attach(self)
         self._modes.enter_context(redirected(self.device))
+        self._modes.enter_context(own_autocast([]))  # casting as that GPU would
 
     def stop(self, raised: str | None = None, lost: int = 0) -> Preflight:
         """Detach; the verdict. ``raised``: what the cell raised, if it stopped; ``lost``: ops

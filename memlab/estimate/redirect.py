@@ -116,49 +116,6 @@ def meta_device_module() -> Iterator[None]:
         del torch.meta  # type: ignore[attr-defined]
 
 
-class _AutocastOnMeta(torch.amp.autocast_mode.autocast):
-    """``torch.autocast``, but a null context for ``device_type="meta"``, which PyTorch refuses
-    ("unsupported scalarType"). transformers 4's rotary embeddings enter
-    ``torch.autocast(x.device.type, enabled=False)`` (so every Llama-like model failed to
-    estimate with it); transformers 5 treats meta this way itself."""
-
-    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-        self._inert = device_type == "meta"
-        if not self._inert:
-            super().__init__(device_type, *args, **kwargs)
-
-    def __enter__(self) -> Any:
-        return None if self._inert else super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        return False if self._inert else super().__exit__(*exc)
-
-    def __call__(self, func: Any) -> Any:
-        return func if self._inert else super().__call__(func)
-
-
-_REFUSED: list[bool] = []
-
-
-@contextlib.contextmanager
-def meta_autocast() -> Iterator[None]:
-    """Within the block, ``torch.autocast`` (and ``torch.amp.autocast``) on ``meta`` is a null
-    context, where this PyTorch refuses it (every release so far)."""
-    if not _REFUSED:
-        try:
-            torch.autocast("meta", enabled=False)
-            _REFUSED.append(False)
-        except Exception:  # (any refusal: this PyTorch cannot autocast on meta)
-            _REFUSED.append(True)
-    if not _REFUSED[0]:
-        yield
-        return
-    with _torch.patched(
-        [(torch, "autocast", _AutocastOnMeta), (torch.amp, "autocast", _AutocastOnMeta)]
-    ):
-        yield
-
-
 @contextlib.contextmanager
 def redirected(device: str | torch.device = META, keep_cpu: bool = False) -> Iterator[Redirect]:
     """Within the block, tensors are created on ``device`` (default ``meta``), also where the

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch
-from memlab.core._torch_record import saved_value
+from memlab.core._torch_autograd import saved_value
 from memlab.core.storages import sparse_parts
 
 _NAMES: dict[type, tuple[str, ...]] = {}

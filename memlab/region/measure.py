@@ -11,14 +11,13 @@ from typing import Any
 
 import torch
 
-from memlab.core import older_graphs
 from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
-from memlab.core.native.eligible import eligible
-from memlab.core.native.region import NativeNotStartedError, NativeRegion, hand_over_open
+from memlab.core.native.eligible import NativeNotStartedError, eligible
+from memlab.core.native.region import NativeRegion, hand_over_open
 from memlab.core.recorder import Phase, Recorder
 from memlab.core.warmup import warm_up
 from memlab.region.args import called, check_flag, check_label, check_since, watched, weak_refs
@@ -139,10 +138,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
 
     def _new_accountant(self) -> Accountant:
         acc = self._accountant = Accountant(self._ledger, self.breakdown)
-        watched = list(self._watched())
-        if self.breakdown:
-            acc.watch_graphs(watched)
-        acc.watch(watched)
+        acc.watch(acc.first_look(self._watched(), self.breakdown))
         for t in _alive(self._inputs):
             acc.mark(t, Category.INPUT)
         return acc
@@ -211,7 +207,6 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if acc is not None:
                 acc.uninstall()
                 if self._state == "open" and self.breakdown:
-                    older_graphs.released()  # (heard by the recorders at the next settling)
                     acc.watch(self._watched())
                     acc.finish()
         finally:

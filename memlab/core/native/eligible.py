@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from memlab.core._torch_record import can_force_eager, dispatch_modes_on
+from memlab.core._torch_record import can_force_eager, dispatch_modes_on, force_eager
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native import disable, enabled, library, settled
 from memlab.core.native.check import self_check
@@ -52,3 +54,18 @@ _STATIC: dict[str, bool] = {}
 def _dist_up() -> bool:
     dist = getattr(torch, "distributed", None)
     return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def eager() -> Any:
+    """``force_eager``, or NativeNotStartedError inside a compiled region (where the stance
+    cannot change): the dispatch mode measures there."""
+    try:
+        return force_eager()
+    except RuntimeError as e:
+        raise NativeNotStartedError(4) from e
+
+
+class NativeNotStartedError(RuntimeError):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the native record did not start (code {code})")
+        self.code = code

@@ -29,14 +29,10 @@ from typing import Any
 import torch
 
 from memlab.core import _torch, older_graphs, resizes
-from memlab.core._torch_record import (
-    dispatch_modes_on,
-    force_eager,
-    restore_stance,
-    storage_address,
-)
+from memlab.core._torch_record import dispatch_modes_on, restore_stance, storage_address
 from memlab.core.ledger import Ledger
 from memlab.core.native import breakdown, handover, library
+from memlab.core.native.eligible import NativeNotStartedError, eager
 from memlab.core.native.frees import ON_CPU, Frees
 from memlab.core.native.roles import NativeRoles, roles_for
 from memlab.core.recorder import Tally
@@ -108,12 +104,8 @@ class NativeRegion:
     # -- the Recorder's lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         ledger = self.ledger
-        watched: list[Any] = []
-        notes: list[str] = []
-        if self.roles is not None:
-            watched = list(self.watched())
-            if self._saved:  # before the record: it knows their storages from its start
-                notes = self.roles.watch_graphs(watched)
+        roles = self.roles
+        watched = roles.first_look(self.watched(), self._saved) if roles is not None else []
         with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
             ledger.settle()
             self.before = ledger._totals.get(_CPU, 0)
@@ -123,7 +115,7 @@ class NativeRegion:
         try:
             resizing.__enter__()
             try:
-                self._stance = _eager()
+                self._stance = eager()
                 code = self._lib.mn_begin(MAX_EVENTS, id(ledger), int(self.roles is not None))
                 if code != 0:
                     restore_stance(self._stance)
@@ -141,7 +133,6 @@ class NativeRegion:
         if self.roles is not None:
             try:
                 self.roles.install(self._saved)
-                self.roles.errors.extend(notes)
                 self.roles.watch(watched)
             except BaseException:
                 self._close_record()
@@ -188,8 +179,7 @@ class NativeRegion:
         try:
             if self.roles is not None:
                 if self._saved:
-                    lib = self._lib
-                    older_graphs.released(lambda s: lib.mn_unsaved(storage_address(s)))
+                    older_graphs.released(lambda s: self._lib.mn_unsaved(storage_address(s)))
                 self.roles.uninstall()
         finally:
             self._lib.mn_end()
@@ -271,8 +261,7 @@ class NativeRegion:
             n = len(known)
             if self.roles is not None:
                 # the roles alive now, once what the region made is in the ledger (a watched
-                # tensor it made is not one from before it)
-                self.roles.watch(self.watched())
+                self.roles.watch(self.watched())  # tensor it made is not one from before it)
                 self.roles.finish()
                 self.notes.extend(e for e in self.roles.errors if e not in self.notes)
                 base = self.before + sum(dead_reads.values())
@@ -294,18 +283,3 @@ class NativeRegion:
         before = self.before + frees.discovered + sum(dead_reads.values())
         self.notes += handover.unplaced_notes(missing, unplaced)
         return Tally(before, after, before + high, None, None, None, None, None, None)
-
-
-def _eager() -> Any:
-    """``force_eager``, or NativeNotStartedError inside a compiled region (where the stance
-    cannot change): the dispatch mode measures there."""
-    try:
-        return force_eager()
-    except RuntimeError as e:
-        raise NativeNotStartedError(4) from e
-
-
-class NativeNotStartedError(RuntimeError):
-    def __init__(self, code: int) -> None:
-        super().__init__(f"the native record did not start (code {code})")
-        self.code = code

@@ -82,11 +82,15 @@ class NativeRoles(Roles):
         #: The open module calls (the forward phase lasts while one is open).
         self._outer = Outer(self._set_phase, self._hooks.install_post)
 
+    def first_look(self, objects: Any, graphs: bool) -> list[Any]:
+        self.errors = []  # a new region's
+        return super().first_look(objects, graphs)
+
     # -- install / uninstall ------------------------------------------------------------------
     def install(self, saved: bool = True) -> None:
         """Hooks in (``saved``: the saved-tensor hook too, for a breakdown's activations); on
-        any failure, what was done is undone and the error raised."""
-        self.errors = []
+        any failure, what was done is undone and the error raised. (The region's notes start
+        at `first_look`, just before.)"""
         self._prune()
         self._optimizer_depth = self.labelled = 0
         self._outer.reset()

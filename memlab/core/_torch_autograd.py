@@ -1,0 +1,71 @@
+"""The seam, continued: what autograd holds, read and wrapped where PyTorch offers no public way.
+
+Like ``_torch.py``, one of the few places private PyTorch names are used (tests/test_layers.py
+lists them). Two needs: reading what a graph saved without running a program's unpack hooks
+(`saved_value`), and reaching the function activation checkpointing recomputes in backward,
+however the program imported ``checkpoint`` (`checkpoint_patches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _ck
+
+#: What `saved_value` answers for a saved tensor a program's hook packed as no tensor.
+HOOKED = object()
+
+
+def saved_value(node: Any, name: str, strict: bool = False) -> Any:
+    """What autograd node ``node`` holds saved under ``name`` (``_saved_x``), never running a
+    program's unpack hook (one may recompute a checkpointed forward, or copy an offloaded
+    activation back). Through ``_raw_saved_x`` (``SavedTensor``s with ``unpack_hook`` and
+    ``data``, 2.11 on): where a hook was set, what it packed if that is a tensor (memlab's
+    alias, a hook that packs the tensor itself), else `HOOKED`; without hooks, or on a PyTorch
+    without those attributes, the attribute as it is (``strict``: `HOOKED`, where a hook
+    cannot be seen). Checked 2.4.1, 2.11, 2.13."""
+    raw = getattr(node, "_raw" + name, None)
+    items = raw if isinstance(raw, (list, tuple)) else (raw,)
+    if raw is None or not all(hasattr(i, "unpack_hook") and hasattr(i, "data") for i in items):
+        return HOOKED if strict else getattr(node, name)
+    hooks = [item.unpack_hook for item in items]
+    if all(hook is None for hook in hooks):  # nothing to run (raises if backward released it)
+        return getattr(node, name)
+    out = [item.data if isinstance(item.data, torch.Tensor) else HOOKED for item in items]
+    return out if isinstance(raw, (list, tuple)) else out[0]
+
+
+def saved_hook(node: Any, name: str) -> Any:
+    """The unpack hook set on what ``node`` saved under ``name`` (its first tensor's, for a
+    list); None where none is, or where this PyTorch cannot say. Checked 2.4.1, 2.11, 2.13."""
+    raw = getattr(node, "_raw" + name, None)
+    item = raw[0] if isinstance(raw, (list, tuple)) and raw else raw
+    return getattr(item, "unpack_hook", None)
+
+
+def checkpoint_patches(wrap: Callable[[Any], Any]) -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) patches under which every activation checkpoint, reentrant or
+    not, runs ``wrap(function)`` where it would run the checkpointed function, its recomputation
+    in backward included. ``torch.utils.checkpoint.checkpoint`` looks both names up in its module
+    at each call, so a program that imported ``checkpoint`` itself (Hugging Face models do) is
+    reached too. Checked 2.4.1, 2.11, 2.13."""
+    found: list[tuple[Any, str, Any]] = []
+    generator = getattr(_ck, "_checkpoint_without_reentrant_generator", None)
+    if callable(generator):
+
+        def without_reentrant(fn: Any, *rest: Any, **kwargs: Any) -> Any:
+            return generator(wrap(fn), *rest, **kwargs)
+
+        found.append((_ck, "_checkpoint_without_reentrant_generator", without_reentrant))
+    function: Any = getattr(_ck, "CheckpointFunction", None)
+    if function is not None and callable(getattr(function, "apply", None)):
+
+        class Reentrant:
+            @staticmethod
+            def apply(run_function: Any, *rest: Any) -> Any:
+                return function.apply(wrap(run_function), *rest)
+
+        found.append((_ck, "CheckpointFunction", Reentrant))
+    return found

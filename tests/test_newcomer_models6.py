@@ -1,0 +1,128 @@
+"""A newcomer's own models and habits (round 6): activation checkpointing the model does itself
+under AMP, and a step written for a GPU with its own ``torch.autocast("cuda")``, estimated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint  # imported by name, as libraries do
+
+from memlab import Category
+from memlab.estimate import estimate
+
+
+class Block(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(128, 512), nn.Linear(512, 128)
+        self.reentrant = reentrant
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            return x + self.inner(x)
+        return x + checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _batch(n: int) -> torch.Tensor:
+    return torch.randn(n, 64, 128, requires_grad=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_s_own_checkpointing_estimates_under_amp(reentrant: bool) -> None:
+    def own(n: int) -> nn.Module:
+        return nn.Sequential(*[Block(reentrant) for _ in range(n)])
+
+    def plain(n: int) -> nn.Module:
+        return nn.Sequential(*[Block(None) for _ in range(n)])
+
+    found = {}
+    for name, make in (("own", own), ("plain", plain)):
+        for amp in ("off", "bf16", "fp16"):
+            e = estimate(lambda m=make: m(3), _batch, batch_size=8, gpu="T4", amp=amp)
+            found[name, amp] = e.report.breakdown.highest[Category.ACTIVATION]
+    for amp in ("bf16", "fp16"):
+        # the recomputation casts as the forward did (it raised CheckpointError before)
+        assert found["own", amp] < found["plain", amp]
+        # saved through the forward: each block's input, the float32 residual stream, as without
+        # AMP; the recomputation's own (reentrant: saved again in backward) are 16-bit
+        assert found["own", amp] <= found["own", "off"]
+        if not reentrant:
+            assert found["own", amp] == 3 * 8 * 64 * 128 * 4
+
+
+def test_a_hugging_face_model_s_gradient_checkpointing_estimates_under_amp() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+    def model(checkpointed: bool) -> Any:
+        m = transformers.LlamaForCausalLM(config)
+        if checkpointed:
+            m.gradient_checkpointing_enable()
+        return m
+
+    def ids(n: int) -> dict[str, torch.Tensor]:
+        x = torch.randint(0, 256, (n, 32))
+        return {"input_ids": x, "labels": x}
+
+    with_ckpt = estimate(lambda: model(True), ids, batch_size=4, gpu="T4", amp="bf16")
+    without = estimate(lambda: model(False), ids, batch_size=4, gpu="T4", amp="bf16")
+    assert (
+        with_ckpt.report.breakdown.highest[Category.ACTIVATION]
+        < without.report.breakdown.highest[Category.ACTIVATION]
+    )
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to("cuda")
+
+
+def _x(n: int) -> torch.Tensor:
+    return torch.randn(n, 64, 256, device="cuda")
+
+
+def _plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def _own_autocast(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = model(x)
+    return y.float().square().mean()
+
+
+def _old_spelling(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", enabled=False):  # a part kept in float32 inside
+            h = model[0](x.float())
+        y = model[2](model[1](h))
+    return y.float().square().mean()
+
+
+def test_a_step_s_own_autocast_for_cuda_is_estimated_as_the_amp_setting_is() -> None:
+    own = estimate(_mlp, _x, batch_size=8, step_fn=_own_autocast, gpu="T4")
+    setting = estimate(_mlp, _x, batch_size=8, step_fn=_plain, gpu="T4", amp="bf16")
+    fp32 = estimate(_mlp, _x, batch_size=8, step_fn=_plain, gpu="T4")
+    assert own.peak_allocated == setting.peak_allocated < fp32.peak_allocated
+    assert own.report.breakdown.highest == setting.report.breakdown.highest
+    assert any("own torch.autocast('cuda', torch.bfloat16)" in n for n in own.report.notes)
+    assert not any("own torch.autocast" in n for n in fp32.report.notes)
+    # enabled=False inside: the first layer in float32, as CUDA would run it
+    mixed = estimate(_mlp, _x, batch_size=8, step_fn=_old_spelling, gpu="T4")
+    assert setting.peak_allocated < mixed.peak_allocated < fp32.peak_allocated
+    # and the class is as it was afterwards: autocast on the CPU still works for real
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert not hasattr(torch.autocast("cpu"), "memlab_emulated")
