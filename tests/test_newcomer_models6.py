@@ -3,6 +3,8 @@ under AMP, and a step written for a GPU with its own ``torch.autocast("cuda")``,
 
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,8 +12,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint  # imported by name, as libraries do
 
+import memlab
 from memlab import Category
 from memlab.estimate import estimate
+from memlab.step import WhatIfError
+
+MEMLAB = str(Path(memlab.__file__).parent)
 
 
 class Block(nn.Module):
@@ -126,3 +132,61 @@ def test_a_step_s_own_autocast_for_cuda_is_estimated_as_the_amp_setting_is() -> 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     assert not hasattr(torch.autocast("cpu"), "memlab_emulated")
+
+
+def _tiny_bert() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.BertModel(config)
+
+
+def _frames(e: BaseException) -> list[str]:
+    return [f.filename for f in traceback.extract_tb(e.__traceback__)]
+
+
+@pytest.mark.parametrize("front", ["run", "estimate", "graph"])
+def test_a_library_model_s_own_error_keeps_its_lines_and_loses_memlab_s(front: str) -> None:
+    def no_ids(n: int) -> dict[str, torch.Tensor]:  # forgot input_ids
+        return {"attention_mask": torch.ones(n, 8, dtype=torch.long)}
+
+    with pytest.raises(ValueError, match="input_ids") as caught:
+        if front == "run":
+            memlab.whatif.run(_tiny_bert, no_ids, batch_size=2, device="cpu")
+        elif front == "estimate":
+            estimate(_tiny_bert, no_ids, batch_size=2, gpu="T4")
+        else:
+            memlab.graph(_tiny_bert(), **no_ids(2))
+    frames = _frames(caught.value)
+    assert not [f for f in frames if f.startswith(MEMLAB)], frames
+    assert "transformers" in frames[-1]  # where the library raised it, as without memlab
+
+
+def test_a_step_fn_that_takes_other_arguments_is_told_how_it_is_called() -> None:
+    with pytest.raises(WhatIfError, match=r"step_fn is called as step_fn\(model, batch\)"):
+        memlab.whatif.run(
+            lambda: nn.Linear(4, 4),
+            lambda n: torch.randn(n, 4),
+            batch_size=2,
+            device="cpu",
+            step_fn=lambda batch: batch.sum(),
+        )
+
+    def raises_inside(model: nn.Module, batch: torch.Tensor) -> Any:
+        return len(5)  # type: ignore[arg-type]  # the user's own TypeError, from inside
+
+    with pytest.raises(TypeError, match="has no len") as caught:
+        memlab.whatif.run(
+            lambda: nn.Linear(4, 4),
+            lambda n: torch.randn(n, 4),
+            batch_size=2,
+            device="cpu",
+            step_fn=raises_inside,
+        )
+    assert not [f for f in _frames(caught.value) if f.startswith(MEMLAB)]

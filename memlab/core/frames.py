@@ -16,11 +16,20 @@ from typing import ParamSpec, TypeVar
 import torch
 
 _MEMLAB = str(Path(__file__).parents[1])  # the memlab package
-#: Where library code lives (the standard library, installed packages): frames there that
-#: memlab called (a thread it waited for, the op its dispatch mode ran) are not the user's.
+#: Where library code lives (the standard library, installed packages).
 _LIBRARIES = tuple(
     {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
+#: The standard library's: frames there that memlab called (a context manager it entered, a
+#: thread it waited for) are not the user's. (A package's are: the user's model may be one.)
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+_PACKAGES = ("site-packages", "dist-packages")  # (inside the standard library's folder, often)
+
+
+def _stdlib(name: str) -> bool:
+    return name.startswith(_STDLIB) and not any(p in name for p in _PACKAGES)
+
+
 #: PyTorch's own frames between an op and a dispatch or function mode: there only because
 #: memlab's mode is (the estimator's device redirection is a function mode).
 _PLUMBING = tuple(
@@ -54,9 +63,10 @@ def _entries(e: BaseException) -> list[TracebackType]:
 
 
 def without_memlab(e: BaseException) -> BaseException:
-    """``e`` with memlab's frames taken out of its traceback, with the library frames memlab
-    called and PyTorch's dispatch plumbing that leads into memlab's mode. Returns ``e`` (changed
-    in place, as ``with_traceback`` does)."""
+    """``e`` with memlab's frames taken out of its traceback, with the standard library's frames
+    memlab called and PyTorch's dispatch plumbing that leads into memlab's mode; a package's
+    (the user's Hugging Face model that memlab called) stay. Returns ``e`` (changed in place,
+    as ``with_traceback`` does)."""
     entries = _entries(e)
     drop: set[int] = set()
     called_by_memlab = False
@@ -65,7 +75,7 @@ def without_memlab(e: BaseException) -> BaseException:
         if name.startswith(_MEMLAB):
             drop.add(i)
             called_by_memlab = True
-        elif called_by_memlab and name.startswith(_LIBRARIES):
+        elif called_by_memlab and _stdlib(name):
             drop.add(i)
         else:
             called_by_memlab = False  # the user's code again (the cell, or what it called)
@@ -97,6 +107,13 @@ def the_users(e: BaseException) -> None:
     """Marks ``e`` as raised by what the user gave (their model on their input)."""
     with contextlib.suppress(Exception):  # (a type that refuses attributes: left as it is)
         setattr(e, _USERS, True)
+
+
+def users_unless_memlab_s(e: BaseException) -> None:
+    """Marks ``e``, raised by what memlab called of the user's (their model, their step), as
+    the user's (`the_users`), unless memlab's own code raised it (a bug, kept to be reported)."""
+    if not raised_by_memlab(e):
+        the_users(e)
 
 
 def chain_without_memlab(e: BaseException) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
-from memlab.core.frames import raised_by_memlab, through_torch_alone
+from memlab.core.frames import raised_by_memlab, through_torch_alone, users_unless_memlab_s
 from memlab.core.ledger import default_ledger, device_key
 from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
@@ -71,6 +71,23 @@ def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise
     except Exception as e:
         raise WhatIfError(f"{name} raised {type(e).__name__}: {e}") from e
+
+
+def users_call(name: str, how: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a function of the user's that memlab calls as ``how`` says: what it
+    raises is the user's (`memlab.core.frames.users_unless_memlab_s`); one that takes other
+    arguments gets a WhatIfError saying how it is called."""
+    try:
+        return fn(*args)
+    except TypeError as e:
+        tb = e.__traceback__
+        if tb is not None and tb.tb_next is None:  # raised by the call itself: not entered
+            raise WhatIfError(f"{name} is called as {how}, and refused that: {e}.") from e
+        users_unless_memlab_s(e)
+        raise
+    except Exception as e:
+        users_unless_memlab_s(e)
+        raise
 
 
 def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:

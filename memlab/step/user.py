@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from memlab.core.frames import users_unless_memlab_s
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
-from memlab.step.model import call, check_device, cpu_to, forward_error
+from memlab.step.model import call, check_device, cpu_to, forward_error, users_call
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -50,7 +51,9 @@ class UserStep:
             mark(t)
         if self.step_fn is not None:
             with watching(self.model, self.loop, tensors) as grads, grad_off_explained():
-                out = self.step_fn(self.model, value)
+                out = users_call(
+                    "step_fn", "step_fn(model, batch)", self.step_fn, self.model, value
+                )
             self.own_backward = bool(grads)
             return out
         args: tuple[Any, ...] = value if isinstance(value, tuple) else (value,)
@@ -69,6 +72,7 @@ class UserStep:
                 ) from e
             wrapped = forward_error(e, batch, tensors)  # a shape or dtype the model refused
             if wrapped is None:
+                users_unless_memlab_s(e)
                 raise
             raise wrapped from e
 
