@@ -96,9 +96,10 @@ def test_driver_on_a_machine_without_cuda_is_said_not_dropped(ip: Any) -> None:
     assert any("driver view" in n for n in ip.user_ns["r"].notes)
 
 
-def test_a_card_in_decimal_gigabytes_is_named_as_written_with_its_gib() -> None:
-    card = parse("24GB")
-    assert card.memory == 24 * 10**9
-    assert card.describe() == "custom 24 GB (22.35 GiB)"
+def test_a_card_in_gigabytes_is_named_as_written_and_holds_what_its_maker_means() -> None:
+    card = parse("24GB")  # a "24GB" card holds 24 GiB, as the "A100 80GB" preset holds 80
+    assert card.memory == 24 * GiB == parse("RTX 4090").memory
+    assert parse("80GB").memory == parse("A100 80GB").memory
+    assert card.describe() == "custom 24 GB (24 GiB)"
     assert parse("24GiB").describe() == "custom 24 GiB" and parse("24GiB").memory == 24 * GiB
     assert parse("T4").describe() == "T4 (16 GiB)"

@@ -144,7 +144,7 @@ def test_live_tensors_are_summed_by_category_and_by_variable() -> None:
 
 def test_bad_gpu_specs_name_the_option_what_it_got_and_the_presets() -> None:
     assert parse("t4") is GPUS["T4"] and parse("a100 80gb") is GPUS["A100 80GB"]
-    assert parse("24GiB").memory == 24 * GiB and parse("16 GB").memory == 16 * 10**9
+    assert parse("24GiB").memory == 24 * GiB and parse("16 GB").memory == 16 * GiB
     with pytest.raises(ValueError, match=r"--gpu got 'X4': pass one of T4, L4, .*24GiB"):
         parse("X4", "--gpu")
     with pytest.raises(ValueError, match="leaves nothing after the CUDA context"):

@@ -102,12 +102,15 @@ def matching(name: str, memory: int, major: int) -> GPU:
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$", re.IGNORECASE)
 _UNIT = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": GiB * 1024}
-_UNIT |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+#: A GPU's memory in "GB" is what its maker and everyone after it say of a card of binary
+#: gigabytes (an "80GB" A100 holds 80 GiB, a "24GB" card 24 GiB): read the same way here.
+_UNIT |= {"kb": KiB, "mb": MiB, "gb": GiB, "tb": GiB * 1024}
 
 
 def parse(spec: str, option: str = "gpu") -> GPU:
     """A GPU from a user's text: a preset's name ("T4", "a100 80gb") or a size with its unit
-    ("24GiB", "16 GB"). A ValueError names ``option``, what it got and what to pass."""
+    ("24GiB", "16 GB": binary, as GPU makers count). A ValueError names ``option``, what it got
+    and what to pass."""
     if _SIZE.match(spec):
         try:
             return _sized(spec)
@@ -160,6 +163,6 @@ def _sized(spec: str) -> GPU:
     size = int(float(m.group(1)) * _UNIT[m.group(2).lower()])
     found = gpu(size)
     assert found is not None
-    # named as the user wrote it: "24 GB" is 10**9-byte gigabytes (22.35 GiB), said beside it
+    # named as the user wrote it: "24 GB" (24 GiB, as GPU makers count), said beside it
     unit = {u.lower(): u for u in ("B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB")}
     return dataclasses.replace(found, name=f"custom {m.group(1)} {unit[m.group(2).lower()]}")
