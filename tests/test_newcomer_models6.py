@@ -190,3 +190,29 @@ def test_a_step_fn_that_takes_other_arguments_is_told_how_it_is_called() -> None
             step_fn=raises_inside,
         )
     assert not [f for f in _frames(caught.value) if f.startswith(MEMLAB)]
+
+
+def test_a_model_that_looks_for_padding_in_its_ids_estimates_without_a_mask() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        num_labels=3,
+    )
+
+    def ids(n: int) -> dict[str, torch.Tensor]:  # no attention_mask: the model reads the ids
+        return {"input_ids": torch.randint(1, 128, (n, 16))}
+
+    e = estimate(
+        lambda: transformers.DebertaV2ForSequenceClassification(config),
+        ids,
+        batch_size=2,
+        gpu="T4",
+    )
+    assert e.peak_allocated > 0
+    assert any("input_ids without an attention mask hold no padding" in n for n in e.report.notes)

@@ -206,6 +206,13 @@ _VALUE_CHECKS: tuple[tuple[str, str, Callable[..., Any], str], ...] = (
         ("transformers.masking_utils", name, _unpadded, "the attention mask pads no token")
         for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
     ),
+    # a model given input_ids without an attention mask looks for padding in them, to warn
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel.warn_if_padding_and_no_attention_mask",
+        _none,
+        "input_ids without an attention mask hold no padding",
+    ),
 )
 
 
@@ -235,12 +242,16 @@ class OrdinaryInputs:
             if module is None:  # the library is imported, but not this part of it yet
                 with contextlib.suppress(Exception):
                     module = importlib.import_module(module_name)
-            original = getattr(module, name, None)
-            if module is None or not callable(original):
+            path, _, attribute = name.rpartition(".")  # a class's method: "Class.method"
+            owner = module
+            for part in path.split(".") if path else ():
+                owner = getattr(owner, part, None)
+            original = getattr(owner, attribute, None)
+            if owner is None or not callable(original):
                 continue
             self._done.add((module_name, name))
             check = self._answering(original, answer, assumption)
-            self._stack.enter_context(_torch.patched([(module, name, check)]))
+            self._stack.enter_context(_torch.patched([(owner, attribute, check)]))
 
     def _answering(
         self, original: Callable[..., Any], answer: Callable[..., Any], assumption: str
