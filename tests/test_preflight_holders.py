@@ -15,6 +15,7 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.holders import module_tensors, variable_names, variable_root
 from memlab.reports.units import fmt_bytes
 
+KiB = 1024
 MiB = 2**20
 
 
@@ -46,12 +47,9 @@ def test_what_earlier_cells_left_not_fitting_is_said_so_with_its_variables(ip: A
     assert "would run OUT OF MEMORY before this cell begins" in text
     assert f"what earlier cells left on the device ({fmt_bytes(left)})" in text
     assert "the request alone" not in text and pf.oom.line is None
-    # every storage from before is listed, under the variable that holds it
-    assert dict(pf.oom.by_name) == {
-        "h": 96 * MiB,
-        "keep.weight": 16 * MiB,
-        "keep.bias": 2048 * 4,
-    }
+    # every storage from before is listed, under the variable that holds it (a module's as
+    # one line: `del keep` frees them all)
+    assert dict(pf.oom.by_name) == {"h": 96 * MiB, "keep (2 tensors)": 16 * MiB + 2048 * 4}
     lever = re.search(r"del h +([\d.]+) MiB fits", text)
     assert lever is not None and float(lever.group(1)) < 102  # without h it fits
     # a cell that fits afterwards says so
@@ -78,7 +76,8 @@ def test_a_module_s_parameters_are_named_and_useless_del_levers_left_out(ip: Any
     assert run(ip, cell).success
     pf, text = ip.user_ns["pf"], _preflight(ip)
     names = dict(pf.oom.by_name)
-    assert names["big.weight"] == 16 * MiB and names["h"] == 60 * MiB
+    assert names["big (2 tensors)"] == 16 * MiB + 8 * KiB and names["h"] == 60 * MiB
+    assert any("big.weight" in t.names for t in pf.oom.biggest)  # each tensor by its name
     assert "del w" not in text  # 320 bytes: dropping it changes nothing
     assert "del h" in text
 

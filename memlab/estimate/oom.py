@@ -20,6 +20,7 @@ from memlab.estimate.allocator import (
     round_size,
     segment_size,
 )
+from memlab.estimate.holders import variable_root
 from memlab.reports.oom import Lever, LiveTensor, OOMExplanation
 from memlab.reports.units import fmt_bytes
 
@@ -134,11 +135,25 @@ def explain(
         line=line,
         source=source,
         by_category=_ranked(categories),
-        by_name=_ranked(names)[:TOP],
+        by_name=_ranked(_by_variable(names))[:TOP],
         biggest=tuple(biggest),
         levers=tuple(levers),
         notes=tuple(notes),
     )
+
+
+def _by_variable(names: Mapping[str, int]) -> dict[str, int]:
+    """The names' bytes per variable: a model's 200 weights as one line, ``model (200
+    tensors)``, which ``del model`` frees; a variable with one tensor under its full name."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(variable_root(name), []).append(name)
+    return {
+        members[0] if len(members) == 1 else f"{root} ({len(members)} tensors)": sum(
+            names[m] for m in members
+        )
+        for root, members in groups.items()
+    }
 
 
 def _ranked(d: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
