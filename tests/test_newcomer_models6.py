@@ -216,3 +216,17 @@ def test_a_model_that_looks_for_padding_in_its_ids_estimates_without_a_mask() ->
     )
     assert e.peak_allocated > 0
     assert any("input_ids without an attention mask hold no padding" in n for n in e.report.notes)
+
+
+def test_a_model_fn_returning_its_optimizer_and_a_negative_lr_are_refused_by_name() -> None:
+    def with_optimizer() -> Any:
+        m = nn.Linear(4, 4)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    with pytest.raises(WhatIfError, match="return the model alone, not a tuple with an optim"):
+        memlab.whatif.run(with_optimizer, lambda n: torch.randn(n, 4), batch_size=2, device="cpu")
+    for lr in (-1, float("nan"), "1e-3"):
+        with pytest.raises(WhatIfError, match=r"lr must be a learning rate ≥ 0 \(e\.g\. 1e-3\)"):
+            memlab.whatif.run(
+                lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, lr=lr
+            )

@@ -151,6 +151,9 @@ class RunConfig:
                 f"batch_size {self.batch_size} does not split into {self.accumulation} equal "
                 "micro-batches: choose a batch size divisible by the accumulation steps."
             )
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
+            raise WhatIfError(f"lr must be a learning rate ≥ 0 (e.g. 1e-3), not {lr!r}.")
         if self.budget is not None and (type(self.budget) is not int or self.budget <= 0):
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
         object.__setattr__(self, "compile", compile_of(self.compile, WhatIfError))

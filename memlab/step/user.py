@@ -191,6 +191,12 @@ def module_of(value: Any) -> nn.Module:
     if isinstance(value, (tuple, list, dict)):
         items = value.values() if isinstance(value, dict) else value
         modules = [m for m in items if isinstance(m, nn.Module)]
+        if modules and any(isinstance(m, torch.optim.Optimizer) for m in items):
+            raise WhatIfError(
+                f"model_fn must return the model alone, not a {got} with an optimizer: memlab "
+                "makes the optimizer itself (optimizer='adamw', 'sgd', ..., lr=...). Or, "
+                f"{TRACK_INSTEAD}."
+            )
         if modules:
             raise WhatIfError(
                 f"model_fn must return one torch.nn.Module, not a {got} of {len(value)} "
