@@ -191,3 +191,21 @@ def test_many_graphs_are_read_a_bounded_number_of_nodes_at_each_look(
     assert seen[0][1] and seen[0][0] < 5 * each
     assert [a for a, _ in seen] == sorted(a for a, _ in seen)
     assert seen[-1] == (5 * each, False)
+
+
+def test_a_tensor_whose_graph_cannot_be_read_leaves_the_cell_and_its_report_whole(
+    ip: Any,
+) -> None:
+    setup = (
+        "class Odd(torch.Tensor):\n"
+        "    @property\n"
+        "    def grad_fn(self):\n"
+        "        raise RuntimeError('no graph for you')\n"
+        "odd = (torch.ones(4, requires_grad=True) * 2).as_subclass(Odd)\n"
+        "net = torch.nn.Linear(8, 8)\n"
+        "y = net(torch.randn(2, 8))"
+    )
+    assert run(ip, setup).success
+    result = run(ip, "%%gpumem -q -b -o r\nz = 41 + 1\nz")
+    assert result.success and result.result == 42
+    assert ip.user_ns["r"].breakdown.at_end[Category.ACTIVATION] == 2 * 8 * 4

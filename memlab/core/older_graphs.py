@@ -157,31 +157,20 @@ def _still(walk: _Walk, root: Any) -> bool | None:
 def saved_by_older_graphs(outputs: list[torch.Tensor], ledger: Ledger) -> list[str]:
     """Tells ``ledger`` what the graphs behind ``outputs`` hold saved (each graph walked once,
     then checked at each call). Returns notes for the report: a walk cut at MAX_NODES, graphs
-    left for the next look."""
+    left for the next look, graphs that could not be read."""
     cut = False
-    read = left = 0
+    read = left = failed = 0
     for out in outputs:
-        root = out.grad_fn
-        if root is None:
-            continue
-        walk = _WALKS.get(out)
-        if walk is not None:
-            state = _still(walk, root)
-            if state is not None:
-                if not state:  # released by backward: what it saved counts no more
-                    _forget(walk)
-                cut = cut or walk.cut
-                continue
-        if read >= MAX_NODES:
+        if read >= MAX_NODES and out not in _WALKS:
             left += 1
             continue
-        walk, found, nodes = _walk(root)
+        try:
+            walk, nodes = _look(out, ledger)
+        except Exception:  # a subclass or node that raises when read: its storages "other"
+            failed += 1
+            continue
         read += nodes
-        _WALKS[out] = walk  # (the walk it replaces, and its token, go: counted no more)
-        for t in found:
-            ledger.saved_by(t, walk.token)  # type: ignore[arg-type]
-            walk.storages.append(weakref.ref(storage_of(t)))
-        cut = cut or walk.cut
+        cut = cut or (walk is not None and walk.cut)
     notes = []
     if cut:
         notes.append(
@@ -193,7 +182,29 @@ def saved_by_older_graphs(outputs: list[torch.Tensor], ledger: Ledger) -> list[s
             f"activations of {left} graph(s) from before the region not read yet (at most "
             f"{MAX_NODES:,} autograd nodes are read at each look: the next regions read on)"
         )
+    if failed:
+        notes.append(f"what {failed} graph(s) from before the region saved: not read")
     return notes
+
+
+def _look(out: torch.Tensor, ledger: Ledger) -> tuple[_Walk | None, int]:
+    """One output's graph: checked against its walk, else walked; the walk and the nodes read."""
+    root = out.grad_fn
+    if root is None:
+        return None, 0
+    walk = _WALKS.get(out)
+    if walk is not None:
+        state = _still(walk, root)
+        if state is not None:
+            if not state:  # released by backward: what it saved counts no more
+                _forget(walk)
+            return walk, 0
+    walk, found, nodes = _walk(root)
+    _WALKS[out] = walk  # (the walk it replaces, and its token, go: counted no more)
+    for t in found:
+        ledger.saved_by(t, walk.token)  # type: ignore[arg-type]
+        walk.storages.append(weakref.ref(storage_of(t)))
+    return walk, nodes
 
 
 def released(unsaved: Callable[[Any], None] | None = None) -> None:
@@ -202,7 +213,10 @@ def released(unsaved: Callable[[Any], None] | None = None) -> None:
     for out, walk in list(_WALKS.items()):
         if walk.token is None:
             continue
-        state = _still(walk, out.grad_fn)
+        try:
+            state = _still(walk, out.grad_fn)
+        except Exception:  # a subclass whose grad_fn raises: counted no more
+            state = None
         if state:
             continue
         storages = [s for s in (r() for r in walk.storages) if s is not None]
