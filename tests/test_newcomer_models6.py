@@ -230,3 +230,37 @@ def test_a_model_fn_returning_its_optimizer_and_a_negative_lr_are_refused_by_nam
             memlab.whatif.run(
                 lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, lr=lr
             )
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_real_generate_in_a_b_cell_names_its_kv_cache(
+    ip: Any, monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    pytest.importorskip("transformers")
+    from conftest import run
+
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    setup = (
+        "import transformers, transformers.cache_utils as cu\n"
+        "cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,"
+        " num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)\n"
+        "model = transformers.LlamaForCausalLM(cfg).eval()\n"
+        "ids = torch.randint(0, 128, (2, 10))\n"
+        "before = cu.DynamicLayer.update"
+    )
+    assert run(ip, setup).success
+    cell = (
+        "%%gpumem -q -b -o r\n"
+        "out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, "
+        "return_dict_in_generate=True)"
+    )
+    assert run(ip, cell).success
+    ns = ip.user_ns
+    length = ns["out"].past_key_values.get_seq_length()  # the prompt and 4 tokens fed back
+    held = 2 * 2 * 2 * 2 * length * 8 * 4  # keys and values, layers, batch, KV heads, head size
+    breakdown = ns["r"].breakdown
+    assert length == 14 and breakdown.at_end[Category.KV_CACHE] == held
+    assert breakdown.highest[Category.KV_CACHE] >= held
+    import transformers.cache_utils as cu  # put back as it was
+
+    assert cu.DynamicLayer.update is ns["before"] and not hasattr(cu.Cache.update, "__wrapped__")

@@ -136,6 +136,7 @@ class Accountant(Roles):
         for handle in hooks:
             self._stack.callback(handle.remove)
         self._stack.callback(quiet_compile_hooks())
+        self._stack.callback(self.kv_caches_in())
         on = _torch.saved_tensors_hooks_on()
         if on is not None and on[0] is native_pack():
             # a native region with a breakdown is open around this one: its op makes the
@@ -288,8 +289,7 @@ class Accountant(Roles):
             self.mark(grad, Category.GRADIENT)
 
     def finish(self) -> None:
-        """Last look at roles before the report: gradients and optimizer states now alive,
-        and older graphs backward released (heard by the recorders now, as they settle)."""
+        """Last look before the report: gradients, optimizer states, older graphs released."""
         older_graphs.released()
         self.ledger.settle()
         self.sweep_gradients()

@@ -6,13 +6,13 @@ what a failure costs (`Accountant` skips the object and says so in the report's 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import transforms
+from memlab.core import kv_caches, transforms
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.older_graphs import saved_by_older_graphs
@@ -48,6 +48,17 @@ class Roles:
         self._leaves[t] = True
         if isinstance(t, torch.nn.Parameter):
             self.mark(t, Category.PARAMETER)
+
+    def kv_caches_in(self) -> Callable[[], None]:
+        """Names what Hugging Face's key/value caches hold (`memlab.core.kv_caches`) until the
+        callable returned is called."""
+        naming = kv_caches.naming(self.mark)
+        naming.__enter__()
+
+        def out() -> None:
+            naming.__exit__(None, None, None)
+
+        return out
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
         # Once per storage and role in a region (telling the ledger again changes nothing):

@@ -104,8 +104,10 @@ class NativeRegion:
     # -- the Recorder's lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         ledger = self.ledger
-        roles = self.roles
-        watched = roles.first_look(self.watched(), self._saved) if roles is not None else []
+        roles, watched = self.roles, []
+        if roles is not None:  # (a new region's notes, the older graphs' among them)
+            roles.errors = []
+            watched = roles.first_look(self.watched(), self._saved)
         with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
             ledger.settle()
             self.before = ledger._totals.get(_CPU, 0)

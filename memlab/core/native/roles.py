@@ -3,22 +3,22 @@
 The native record follows ops, allocations, saved tensors and gradients in C++. Python tells it
 what only Python knows, through hooks that do little per call:
 
-* the phase (forward inside a module, the optimizer's step, a label the front end set): one
-  integer written into the library at each module and optimizer hook (a backward is found in
-  C++);
+* the phase (forward in a module, the optimizer's step, a label the front end set): one integer
+  written into the library at each module and optimizer hook (a backward is found in C++);
 * parameters and buffers, at each module call, told once per storage: a storage the ledger
-  follows keeps its lasting role there, so the caches here live as long as the process (per
-  ledger), not one region;
+  follows keeps its lasting role there, so the caches here live as long as the process;
 * saved tensors: the pack hook is a C function (`memlab.core.native.pack`; until it is built,
   the library's own op ``memlab::saved``, called without a Python frame), which logs the saving
   and returns an alias that logs when autograd lets it go;
-* the optimizers stepped, whose state is named at the region's end.
+* the optimizers stepped, whose state is named at the region's end; Hugging Face's key/value
+  caches, named at each update (`memlab.core.kv_caches`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ CODE: dict[Category, int] = {c: p + 1 for c, p in PRIORITY.items()}
 CATEGORY: dict[int, Category] = {code: c for c, code in CODE.items()}
 
 
+_NOTHING: Callable[[], None] = lambda: None  # noqa: E731
 #: The library's op memlab's native saved-tensor hook calls, once registered.
 _PACK: list[Any] = []
 
@@ -81,16 +82,13 @@ class NativeRoles(Roles):
         )
         #: The open module calls (the forward phase lasts while one is open).
         self._outer = Outer(self._set_phase, self._hooks.install_post)
-
-    def first_look(self, objects: Any, graphs: bool) -> list[Any]:
-        self.errors = []  # a new region's
-        return super().first_look(objects, graphs)
+        self._caches_out: Callable[[], None] = _NOTHING  # (`install` names the KV caches)
 
     # -- install / uninstall ------------------------------------------------------------------
     def install(self, saved: bool = True) -> None:
         """Hooks in (``saved``: the saved-tensor hook too, for a breakdown's activations); on
-        any failure, what was done is undone and the error raised. (The region's notes start
-        at `first_look`, just before.)"""
+        any failure, what was done is undone and the error raised. (`errors` starts empty at
+        the region's start, before its `first_look`.)"""
         self._prune()
         self._optimizer_depth = self.labelled = 0
         self._outer.reset()
@@ -99,6 +97,7 @@ class NativeRoles(Roles):
         try:
             self._hooks_in = True
             self._hooks.install(post=False)  # (the outermost call's own hook: `Outer`)
+            self._caches_out = self.kv_caches_in()
             if saved:
                 self._push_pack()
         except BaseException:
@@ -167,6 +166,8 @@ class NativeRoles(Roles):
                     self._outer.close()
                 finally:
                     self._cell.value = Phase.OTHER
+                    out, self._caches_out = self._caches_out, _NOTHING
+                    out()
 
     # -- the phase ------------------------------------------------------------------------------
     def _set_phase(self) -> None:
