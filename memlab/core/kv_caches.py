@@ -27,9 +27,12 @@ _MODULE = "transformers.cache_utils"
 
 
 def _held(obj: Any, layer: Any) -> Iterator[torch.Tensor]:
+    """Keys and values: the object's tensors (a scalar, a static layer's count of tokens
+    written, is bookkeeping), and the updated layer's in its lists."""
     for value in vars(obj).values():
         if isinstance(value, torch.Tensor):
-            yield value
+            if value.dim():
+                yield value
         elif (
             isinstance(value, list) and isinstance(layer, int) and -len(value) <= layer < len(value)
         ):
