@@ -264,3 +264,45 @@ def test_a_real_generate_in_a_b_cell_names_its_kv_cache(
     import transformers.cache_utils as cu  # put back as it was
 
     assert cu.DynamicLayer.update is ns["before"] and not hasattr(cu.Cache.update, "__wrapped__")
+
+
+def test_autocast_objects_made_in_a_pre_flight_cell_are_plain_after_it(ip: Any) -> None:
+    from conftest import run
+
+    cell = (
+        "%%gpumem --gpu 24GB -q\n"
+        "ctx = torch.autocast('cuda', dtype=torch.bfloat16)\n"
+        "lin = torch.nn.Linear(8, 8)\n"
+        "def gen():\n"
+        "    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+        "        yield lin(torch.randn(2, 8)).dtype\n"
+        "g = gen()\n"
+        "inside = next(g)  # left suspended inside its autocast"
+    )
+    assert run(ip, cell).success
+    assert ip.user_ns["inside"] == torch.bfloat16  # as CUDA would cast
+    later = run(ip, "with ctx:\n    pass\nafter = torch.nn.Linear(8, 8)(torch.randn(2, 8)).dtype")
+    assert later.success and ip.user_ns["after"] == torch.float32
+    assert not torch.is_autocast_enabled("cuda")
+    assert not hasattr(torch.nn.functional.linear, "__wrapped__")
+
+
+def test_a_checkpoint_inside_autocast_disabled_recomputes_as_its_forward_ran() -> None:
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", enabled=False):
+                h = checkpoint(model, x.float(), use_reentrant=False)
+            return h.float().square().mean()
+
+    e = estimate(_mlp, _x, batch_size=4, step_fn=step, gpu="T4")
+    assert e.peak_allocated > 0
+
+
+def test_a_learning_rate_torch_takes_is_taken() -> None:
+    import numpy as np
+
+    for lr in (np.float32(1e-3), torch.tensor(1e-3), 1e-3, 0):
+        r = memlab.whatif.run(
+            lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, lr=lr, device="cpu"
+        )
+        assert r.report is not None and r.config.lr == float(lr)

@@ -209,3 +209,62 @@ def test_a_tensor_whose_graph_cannot_be_read_leaves_the_cell_and_its_report_whol
     result = run(ip, "%%gpumem -q -b -o r\nz = 41 + 1\nz")
     assert result.success and result.result == 42
     assert ip.user_ns["r"].breakdown.at_end[Category.ACTIVATION] == 2 * 8 * 4
+
+
+def _activation(watch: Any, body: Any = None) -> tuple[int, int]:
+    import memlab
+
+    with memlab.track("cpu", breakdown=True, watch=watch) as t:
+        if body is not None:
+            body()
+    b = t.report.breakdown
+    return b.at_end.get(Category.ACTIVATION, 0), b.at_peak.get(Category.ACTIVATION, 0)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_an_in_place_op_inside_the_region_keeps_the_older_graph_s_activations(
+    monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    kept = {"y": net(x)}  # x and the ReLU's output, saved
+    watch = lambda: [net, *kept.values()]  # noqa: E731
+    assert _activation(watch) == (2 * 32 * 64 * 4,) * 2
+    # still held under the new root (mul_ saves its scalar too, counted at the next look)
+    assert _activation(watch, lambda: kept["y"].mul_(2)) == (2 * 32 * 64 * 4,) * 2
+    assert _activation(watch)[0] == 2 * 32 * 64 * 4 + 8
+
+
+def test_a_weight_updated_in_place_after_the_graph_does_not_hide_it() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    xv = torch.randn(32, 64)
+    val = net(xv)  # kept with its graph, then a training step changes the weights it saved
+    opt.zero_grad()
+    net(torch.randn(32, 64)).sum().backward()
+    opt.step()
+    assert _activation(lambda: [net, opt, val, xv])[0] == 2 * 32 * 64 * 4
+
+
+def test_an_outer_native_region_hears_a_release_an_inner_region_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import memlab
+
+    monkeypatch.setenv("MEMLAB_NATIVE", "1")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    kept = {"loss": net(x).sum()}
+    watch = lambda: [net, *kept.values()]  # noqa: E731
+    with (
+        memlab.track("cpu", breakdown=True, watch=watch) as outer,
+        memlab.track("cpu", breakdown=True, watch=watch),
+    ):
+        kept["loss"].backward()
+    b = outer.report.breakdown
+    assert b.at_peak.get(Category.ACTIVATION, 0) == 32 * 64 * 4  # x, saved until backward's end
+    assert Category.ACTIVATION not in b.at_end  # (the inner region found the release)

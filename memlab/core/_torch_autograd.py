@@ -32,7 +32,10 @@ def saved_value(node: Any, name: str, strict: bool = False) -> Any:
         return HOOKED if strict else getattr(node, name)
     hooks = [item.unpack_hook for item in items]
     if all(hook is None for hook in hooks):  # nothing to run (raises if backward released it)
-        return getattr(node, name)
+        data = [item.data for item in items]
+        if not strict or any(d is None for d in data):  # (released, or a tensor not given)
+            return getattr(node, name)
+        return data if isinstance(raw, (list, tuple)) else data[0]  # (no version check)
     out = [item.data if isinstance(item.data, torch.Tensor) else HOOKED for item in items]
     return out if isinstance(raw, (list, tuple)) else out[0]
 
@@ -69,3 +72,9 @@ def checkpoint_patches(wrap: Callable[[Any], Any]) -> list[tuple[Any, str, Any]]
 
         found.append((_ck, "CheckpointFunction", Reentrant))
     return found
+
+
+def raw_saved_readable() -> bool:
+    """Whether this PyTorch reads what a graph saved without running its hooks (``SavedTensor``
+    has ``unpack_hook``: 2.11 on; not 2.4.1). Checked 2.4.1, 2.11, 2.13."""
+    return hasattr(torch._C._autograd.SavedTensor, "unpack_hook")

@@ -19,6 +19,8 @@ graph's storages stay "other", as they were.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import _torch
-from memlab.core._torch_autograd import HOOKED, saved_hook, saved_value
+from memlab.core._torch_autograd import HOOKED, raw_saved_readable, saved_hook, saved_value
 from memlab.core.storages import storage_of
 
 if TYPE_CHECKING:
@@ -76,14 +78,27 @@ class _Walk:
 _WALKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _released(e: BaseException) -> bool:
+    """Whether ``e`` is autograd's "backward through the graph a second time" (released)."""
+    return isinstance(e, RuntimeError) and (
+        "a second time" in str(e) or "already been freed" in str(e)
+    )
+
+
 def _saved(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(attribute, tensor) for each tensor ``node`` holds saved, never through a hook; raises
-    RuntimeError where backward released them."""
+    RuntimeError where backward released them. An attribute that cannot be read otherwise is
+    passed over."""
     names = _NAMES.get(type(node))
     if names is None:
         names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
     for name in names:
-        value = saved_value(node, name, strict=True)
+        try:
+            value = saved_value(node, name, strict=True)
+        except RuntimeError as e:
+            if _released(e):
+                raise
+            continue
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if t is not HOOKED and isinstance(t, torch.Tensor):
                 yield name, t
@@ -141,10 +156,8 @@ def _still(walk: _Walk, root: Any) -> bool | None:
             node = node.next_functions[i][0]
         name, ref = walk.probe
         value = saved_value(node, name, strict=True)
-    except RuntimeError:
-        return False
-    except Exception:  # (an index gone: another graph)
-        return None
+    except Exception as e:  # released, or (an index gone) another graph
+        return False if _released(e) else None
     values = value if isinstance(value, (tuple, list)) else (value,)
     storage = ref()
     if storage is None or not any(
@@ -158,19 +171,22 @@ def saved_by_older_graphs(outputs: list[torch.Tensor], ledger: Ledger) -> list[s
     """Tells ``ledger`` what the graphs behind ``outputs`` hold saved (each graph walked once,
     then checked at each call). Returns notes for the report: a walk cut at MAX_NODES, graphs
     left for the next look, graphs that could not be read."""
+    if not raw_saved_readable():
+        return []  # (before 2.11 nothing can be read without running a hook)
     cut = False
     read = left = failed = 0
-    for out in outputs:
-        if read >= MAX_NODES and out not in _WALKS:
-            left += 1
-            continue
-        try:
-            walk, nodes = _look(out, ledger)
-        except Exception:  # a subclass or node that raises when read: its storages "other"
-            failed += 1
-            continue
-        read += nodes
-        cut = cut or (walk is not None and walk.cut)
+    with _LOCK:
+        for out in outputs:
+            if read >= MAX_NODES and out not in _WALKS:
+                left += 1
+                continue
+            try:
+                walk, nodes = _look(out, ledger)
+            except Exception:  # a subclass or node that raises when read: its storages "other"
+                failed += 1
+                continue
+            read += nodes
+            cut = cut or (walk is not None and walk.cut)
     notes = []
     if cut:
         notes.append(
@@ -200,37 +216,43 @@ def _look(out: torch.Tensor, ledger: Ledger) -> tuple[_Walk | None, int]:
                 _forget(walk)
             return walk, 0
     walk, found, nodes = _walk(root)
-    _WALKS[out] = walk  # (the walk it replaces, and its token, go: counted no more)
-    for t in found:
+    for t in found:  # counted saved before the walk it replaces lets go of them
         ledger.saved_by(t, walk.token)  # type: ignore[arg-type]
         walk.storages.append(weakref.ref(storage_of(t)))
+    _WALKS[out] = walk  # (the walk it replaces, and its token, go: its storages counted no more)
     return walk, nodes
 
 
-def released(unsaved: Callable[[Any], None] | None = None) -> None:
-    """At a region's end: each walked graph that backward released since (or that is another
-    graph now) counts no more, ``unsaved(storage)`` told for each of its storages alive."""
-    for out, walk in list(_WALKS.items()):
-        if walk.token is None:
-            continue
-        try:
-            state = _still(walk, out.grad_fn)
-        except Exception:  # a subclass whose grad_fn raises: counted no more
-            state = None
-        if state:
-            continue
-        storages = [s for s in (r() for r in walk.storages) if s is not None]
-        if state is None:  # another graph: walked at the next look
-            _WALKS.pop(out, None)
-        _forget(walk)
-        if unsaved is not None:
-            for storage in storages:
-                unsaved(storage)
+#: Told each storage of a graph found released while a region is open (the native record logs
+#: it then: `memlab.core.native.region`).
+LISTENERS: list[Callable[[Any], None]] = []
+_LOCK = threading.RLock()
+
+
+def released() -> None:
+    """At a region's end: each walked graph that backward released since counts no more (one
+    that is another graph now, after an in-place op, is walked again at the next look). Never
+    raises but KeyboardInterrupt."""
+    with _LOCK:
+        for ref, walk in list(_WALKS.data.items()):
+            out = ref()
+            if out is None or walk.token is None:
+                continue
+            try:
+                if _still(walk, out.grad_fn) is False:
+                    _forget(walk)
+            except Exception:  # a subclass whose grad_fn raises: left for the next look
+                continue
 
 
 def _forget(walk: _Walk) -> None:
     """What ``walk`` found counts no more (its token goes: the ledger hears it at its next
-    settling); nothing is left to check."""
+    settling; the listeners now); nothing is left to check."""
+    storages = [s for s in (r() for r in walk.storages) if s is not None]
     walk.token = None
     walk.storages = []
     walk.path = walk.probe = None
+    for listener in list(LISTENERS):
+        for storage in storages:
+            with contextlib.suppress(Exception):
+                listener(storage)

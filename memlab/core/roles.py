@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import kv_caches, transforms
 from memlab.core.categories import Category
-from memlab.core.ledger import Ledger, storage_of
+from memlab.core.ledger import Ledger, default_ledger, storage_of
 from memlab.core.older_graphs import saved_by_older_graphs
 
 
@@ -113,7 +113,7 @@ class Roles:
         tensors among them hold saved is told the ledger first (`memlab.core.older_graphs`):
         before a region's record starts, so that it knows those storages from its start."""
         found = list(objects)
-        if not graphs:
+        if not graphs or self.ledger is not default_ledger():  # (the process's ledger's alone)
             return found
         outputs = []
         for obj in found:

@@ -310,13 +310,18 @@ def _entry_points() -> list[tuple[Any, str, str]]:
 
 
 def _in_region(dtype: torch.dtype) -> Callable[[Any], Any]:
-    """Wraps a checkpointed function so that it runs under the emulated autocast, in forward
-    and when backward recomputes it (real checkpointing restores real autocast for the
-    recomputation; it cannot know of the emulation)."""
+    """Wraps a checkpointed function so that its recomputation in backward runs under the
+    emulated autocast as its forward did: to the dtype in force when checkpoint was called,
+    or suspended where none was (``torch.autocast(..., enabled=False)``). Real checkpointing
+    restores real autocast for the recomputation; it cannot know of the emulation."""
 
     def wrap(function: Any) -> Any:
+        region = _region()
+        then = None if region is None else region.dtype
+
         def under_autocast(*a: Any, **k: Any) -> Any:
-            with emulated(dtype):  # in forward: the region already open; in backward: reopened
+            # in forward: the region already as it was; in backward: reopened as it was
+            with _suspended() if then is None else emulated(then):
                 return function(*a, **k)
 
         return under_autocast
@@ -362,16 +367,28 @@ def _suspended() -> Iterator[None]:
 _EMULATED_DEVICES = ("cuda", "meta")
 
 
+#: The emulated autocast objects made in `own_autocast` (device, dtype, enabled), and the
+#: emulations each has entered (one object may be entered again inside).
+_OWN: weakref.WeakKeyDictionary[Any, tuple[str, torch.dtype, bool]] = weakref.WeakKeyDictionary()
+_ENTERED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
 @contextlib.contextmanager
 def own_autocast(seen: list[str]) -> Iterator[None]:
-    """While estimating: the program's own ``torch.autocast("cuda", dtype)`` (also
-    ``torch.cuda.amp.autocast``, however imported: the class's methods are replaced) runs as
-    the emulation of CUDA's autocast to that dtype, ``enabled=False`` suspends the emulation
-    (a rotary embedding computed in float32), and ``"meta"`` (a device type read off a tensor)
-    counts as CUDA's, which PyTorch refuses on meta. What was emulated is added to ``seen``
-    (once each) for the notes. Other devices' autocast runs as it is."""
+    """While estimating (or a pre-flight runs its cell): the program's own
+    ``torch.autocast("cuda", dtype)`` (also ``torch.cuda.amp.autocast``, however imported: the
+    class's methods are replaced), made on this thread, runs as the emulation of CUDA's
+    autocast to that dtype; ``enabled=False`` suspends the emulation (a rotary embedding
+    computed in float32), and ``"meta"`` (a device type read off a tensor) counts as CUDA's,
+    which PyTorch refuses on meta. What was emulated is added to ``seen`` (once each) for the
+    notes. Other devices' and other threads' autocast run as they are. Such an object is
+    built as a disabled one too, as it would be on a machine without CUDA: used after the
+    block, it does nothing; an emulation still open at the end (a generator left inside its
+    ``with``) is closed then."""
     cls = torch.amp.autocast_mode.autocast
     init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+    owner = threading.get_ident()
+    opened: list[Any] = []
 
     def own_init(
         self: Any,
@@ -380,35 +397,51 @@ def own_autocast(seen: list[str]) -> Iterator[None]:
         enabled: bool = True,
         cache_enabled: bool | None = None,
     ) -> None:
-        if device_type not in _EMULATED_DEVICES:
+        if device_type not in _EMULATED_DEVICES or threading.get_ident() != owner:
             init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             return
-        self.device, self._enabled = device_type, enabled
-        self.fast_dtype = torch.float16 if dtype is None else dtype
-        self.memlab_emulated = []  # (one instance may be entered again inside)
+        init(self, "cpu", dtype=torch.bfloat16, enabled=False, cache_enabled=cache_enabled)
+        _OWN[self] = (device_type, torch.float16 if dtype is None else dtype, bool(enabled))
 
     def own_enter(self: Any) -> Any:
-        if not hasattr(self, "memlab_emulated"):
+        own = _OWN.get(self)
+        if own is None:
             return enter(self)
-        if self._enabled and self.fast_dtype in HALF:
-            context: Any = emulated(self.fast_dtype)
-            said = f"the step's own torch.autocast({self.device!r}, {self.fast_dtype}): emulated"
-            if self.device == "cuda" and said not in seen:
+        device, dtype, enabled = own
+        if enabled and dtype in HALF:
+            context: Any = emulated(dtype)
+            said = f"the step's own torch.autocast({device!r}, {dtype}): emulated"
+            if device == "cuda" and said not in seen:
                 seen.append(said)
         else:
             context = _suspended()
         context.__enter__()
-        self.memlab_emulated.append(context)
+        _ENTERED.setdefault(self, []).append(context)
+        opened.append(context)
         return None
 
     def own_exit(self: Any, *exc: Any) -> Any:
-        if not hasattr(self, "memlab_emulated"):
+        if self not in _OWN:
             return exit_(self, *exc)
-        if self.memlab_emulated:
-            self.memlab_emulated.pop().__exit__(*exc)
+        stack = _ENTERED.get(self)
+        if stack:
+            context = stack.pop()
+            if context in opened:
+                opened.remove(context)
+            context.__exit__(*exc)
         return False
 
-    with _torch.patched(
-        [(cls, "__init__", own_init), (cls, "__enter__", own_enter), (cls, "__exit__", own_exit)]
-    ):
+    patches = {"__init__": own_init, "__enter__": own_enter, "__exit__": own_exit}
+    with _torch.PATCH_LOCK:  # (held to patch and to put back, not for the block)
+        for name, method in patches.items():
+            setattr(cls, name, method)
+    try:
         yield
+    finally:
+        try:
+            while opened:  # left open (a generator suspended inside): closed, the last first
+                opened.pop().__exit__(None, None, None)
+        finally:
+            with _torch.PATCH_LOCK:
+                for name, method in (("__init__", init), ("__enter__", enter), ("__exit__", exit_)):
+                    setattr(cls, name, method)

@@ -151,9 +151,9 @@ class RunConfig:
                 f"batch_size {self.batch_size} does not split into {self.accumulation} equal "
                 "micro-batches: choose a batch size divisible by the accumulation steps."
             )
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
-            raise WhatIfError(f"lr must be a learning rate ≥ 0 (e.g. 1e-3), not {lr!r}.")
+        if not _learning_rate(self.lr):
+            raise WhatIfError(f"lr must be a learning rate ≥ 0 (e.g. 1e-3), not {self.lr!r}.")
+        object.__setattr__(self, "lr", float(self.lr))  # (a numpy float or 0-d tensor: JSON-safe)
         if self.budget is not None and (type(self.budget) is not int or self.budget <= 0):
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
         object.__setattr__(self, "compile", compile_of(self.compile, WhatIfError))
@@ -259,3 +259,13 @@ def _check_ranks(c: RunConfig) -> None:
             "one: use mode='train' (and retention='off'), or world_size=1 (a forward alone is "
             "the same on every rank)."
         )
+
+
+def _learning_rate(lr: Any) -> bool:
+    """A number ≥ 0 and finite, as PyTorch's optimizers take it (a numpy float, a 0-d tensor)."""
+    if isinstance(lr, (bool, str, bytes)):
+        return False
+    try:
+        return 0 <= float(lr) < float("inf")
+    except (TypeError, ValueError, RuntimeError):
+        return False

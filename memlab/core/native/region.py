@@ -21,6 +21,7 @@ never too low), and the report says so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 from collections.abc import Callable, Iterable
@@ -134,12 +135,17 @@ class NativeRegion:
         follow_addresses(self.ledger._entries.values())
         if self.roles is not None:
             try:
+                if self._saved:  # older graphs found released while open: logged then
+                    older_graphs.LISTENERS.append(self._unsaved)
                 self.roles.install(self._saved)
                 self.roles.watch(watched)
             except BaseException:
                 self._close_record()
                 self._done(frees)
                 raise
+
+    def _unsaved(self, storage: torch.UntypedStorage) -> None:
+        self._lib.mn_unsaved(storage_address(storage))
 
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_()`` ran (outside the dispatcher): placed in the record's order."""
@@ -180,9 +186,13 @@ class NativeRegion:
         self._open = False
         try:
             if self.roles is not None:
-                if self._saved:
-                    older_graphs.released(lambda s: self._lib.mn_unsaved(storage_address(s)))
-                self.roles.uninstall()
+                try:
+                    if self._saved:
+                        older_graphs.released()
+                finally:
+                    with contextlib.suppress(ValueError):
+                        older_graphs.LISTENERS.remove(self._unsaved)
+                    self.roles.uninstall()
         finally:
             self._lib.mn_end()
             try:
