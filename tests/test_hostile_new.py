@@ -247,8 +247,11 @@ def test_bad_callbacks_and_devices_name_what_to_pass(
         load_snapshot(path, first_view=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"progress='x' is a str: pass a function"):
         load_snapshot(path, progress="x")  # type: ignore[arg-type]
-    for device in (99, -1, True, "0"):
+    for device in (99, -1):
         with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))}: the snapshot"):
+            load_snapshot(path, device=device)
+    for device, kind in ((True, "bool"), ("0", "str")):  # the wrong type, said as such
+        with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))} is a {kind}"):
             load_snapshot(path, device=device)  # type: ignore[arg-type]
     segments_only = _write(tmp_path / "no-trace.pickle", {"segments": snapshot["segments"]})
     with pytest.raises(ValueError, match=r"device=99: the snapshot has no trace and holds .* 0"):

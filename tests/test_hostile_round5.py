@@ -256,3 +256,77 @@ def test_reading_a_graph_never_runs_the_program_s_unpack_hooks() -> None:
     # what the hook packed is what the graph holds: the ReLU's output (x, a leaf, is listed
     # apart; the weight is a parameter)
     assert g.activation_bytes == kept.untyped_storage().nbytes() > 0
+
+
+# -- round 6 -------------------------------------------------------------------------------------
+
+
+def test_cpu_0_is_the_cpu(ip: Any) -> None:
+    import memlab
+
+    with memlab.track("cpu:0") as t:
+        x = torch.ones(1000)
+    assert t.report.device == "cpu" and t.report.peak_delta == x.nbytes
+    assert run(ip, "%%gpumem -q -d cpu:0 -o r\ny = torch.ones(10)").success
+    assert ip.user_ns["r"].peak_delta == 40
+
+
+def test_the_shell_s_ast_transformers_and_capture_apply_under_the_magic(ip: Any) -> None:
+    import ast as ast_module
+
+    class Double(ast_module.NodeTransformer):
+        def visit_Constant(self, node: Any) -> Any:
+            if isinstance(node.value, int) and not isinstance(node.value, bool):
+                return ast_module.copy_location(ast_module.Constant(node.value * 2), node)
+            return node
+
+    ip.ast_transformers.append(Double())
+    try:
+        assert run(ip, "%%gpumem -q\nn = 21").success and ip.user_ns["n"] == 42
+    finally:
+        ip.ast_transformers.pop()
+    assert run(ip, "%%capture cap\n%%gpumem -q\ntorch.ones(3).sum()").success
+    outputs = ip.user_ns["cap"].outputs  # the value, captured with the report
+    assert any("tensor(3.)" in str(o.data.get("text/plain", "")) for o in outputs), outputs
+
+
+def test_a_snapshot_without_events_shows_the_device_its_segments_are_on(tmp_path: Any) -> None:
+    import pickle
+
+    import memlab
+
+    seg = {"device": 1, "address": 0, "total_size": 2**20, "allocated_size": 2**20,
+           "active_size": 2**20, "requested_size": 2**20, "stream": 0, "segment_type": "large",
+           "blocks": [{"address": 0, "size": 2**20, "requested_size": 2**20,
+                       "state": "active_allocated", "frames": []}]}  # fmt: skip
+    path = tmp_path / "dev1.pickle"
+    path.write_bytes(pickle.dumps({"segments": [seg], "device_traces": [[], []]}))
+    s = memlab.load_snapshot(str(path))
+    assert s.device == 1 and s.allocated == 2**20
+    with pytest.raises(ValueError, match="device_traces is int 5"):
+        from memlab.snapshot.load import from_dict
+
+        from_dict({"segments": [], "device_traces": 5}, "n")
+    with pytest.raises(ValueError, match="device='0' is a str: pass a CUDA device's index"):
+        memlab.load_snapshot(str(path), device="0")  # type: ignore[arg-type]
+
+
+def test_input_fn_returning_none_is_named() -> None:
+    import memlab
+    from memlab.step import WhatIfError
+
+    for bad in (None, "text"):
+        with pytest.raises(WhatIfError, match="input_fn returned"):
+            memlab.whatif.run(lambda: torch.nn.Linear(4, 4), lambda n, b=bad: b, device="cpu")
+
+
+def test_the_panel_says_what_a_step_that_exits_raised() -> None:
+    import memlab
+
+    def exits(out: Any) -> Any:
+        raise SystemExit("loss exits")
+
+    ex = memlab.Explorer(lambda: torch.nn.Linear(4, 4), lambda b: torch.randn(b, 4), loss_fn=exits)
+    ex.run_button.click()
+    ex._work.wait(60)
+    assert "SystemExit: loss exits" in ex.message and not ex._work.running

@@ -62,6 +62,8 @@ def resolve(spec: str | torch.device | None) -> list[Target]:
         raise DeviceError(
             f"{spec!r} is not a device. Use 'cpu', 'cuda', 'cuda:N', 'meta', or 'all'."
         ) from e
+    if dev.type in ("cpu", "meta"):  # one of each: "cpu:0" is the CPU its tensors say "cpu" of
+        return [Target(dev.type)]
     if dev.type != "cuda":
         return [Target(str(dev))]
     n = _cuda_count()

@@ -146,7 +146,8 @@ def users_traceback(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A front end's decorator: what the user's code raised inside it (or one of memlab's
     ``own`` errors, which say what to do) leaves it without memlab's frames, nor those of the
-    errors it was raised from. Anything else (a bug of memlab's) keeps them, to be reported."""
+    errors it was raised from, as does a Ctrl-C. Anything else (a bug of memlab's) keeps them,
+    to be reported."""
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
@@ -157,6 +158,9 @@ def users_traceback(
                 if isinstance(e, own) or through_users_code(e) or getattr(e, _USERS, False):
                     chain_without_memlab(e)
                 raise  # a bare raise adds no frame of this one's
+            except KeyboardInterrupt as e:  # the user's Ctrl-C, wherever it landed
+                chain_without_memlab(e)
+                raise
 
         return front
 

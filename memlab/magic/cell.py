@@ -40,7 +40,7 @@ def compile_cell(
     padded = transformed if header is None else f"# {header}\n{transformed}"
     number = getattr(shell.displayhook, "prompt_count", shell.execution_count)
     filename = shell.compile.cache(padded, number, raw_code=source)
-    tree = ast.parse(padded, filename=filename)
+    tree = shell.transform_ast(ast.parse(padded, filename=filename))  # the shell's ast_transformers
     last = None
     final = tree.body[-1] if tree.body else None
     if isinstance(final, ast.Expr):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from html import escape
 from typing import Any
 
@@ -103,7 +104,7 @@ class GpumemMagics(Magics):
             self._publish(region, opts)
             return value if has_value(value) and not quiet else None
         if has_value(value) and not quiet:
-            self.sh.displayhook(value)  # Out[n] first, then the report under it
+            sys.displayhook(value)  # Out[n] first, then the report (%%capture swaps it)
         self._publish(region, opts)
         return None
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from html import escape
 from typing import Any, TypeVar
@@ -244,6 +245,10 @@ class Explorer(BudgetLimit):
             self._say(str(e), True)
         except Exception as e:  # the panel stays usable whatever the user's code raises
             self._say(f"{type(e).__name__}: {e}", True)
+        except (SystemExit, KeyboardInterrupt) as e:  # raised by the user's code on its thread
+            if threading.current_thread() is threading.main_thread():
+                raise  # (a Ctrl-C of the kernel's, where the panel runs on the main thread)
+            self._say(f"the step raised {type(e).__name__}{f': {e}' if str(e) else ''}", True)
         return None
 
     def _say(self, text: str, problem: bool = False) -> None:

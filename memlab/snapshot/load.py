@@ -12,7 +12,7 @@ from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
 from memlab.snapshot.stream import stream
-from memlab.snapshot.trace import Trace, busiest, choose, source_line
+from memlab.snapshot.trace import Trace, busiest, choose, reserving_most, source_line
 from memlab.snapshot.unpickle import SnapshotError
 
 
@@ -47,9 +47,12 @@ def load_snapshot(
             first_view(view)
 
     data, collectors, frames = stream(path, on_segments=segments_read, progress=progress)
-    dev = choose(device, [collectors[i].events for i in range(len(collectors))])
+    counts = [collectors[i].events for i in range(len(collectors))]
+    dev = choose(device, counts)
     with _layout_checked(name):
         devices = {int(s.get("device", 0)) for s in data["segments"]}
+        if device is None and not any(counts):  # no event: the device the segments are of
+            dev = reserving_most(data["segments"]) or dev
     if device is not None and not collectors and device not in devices:
         raise ValueError(  # no trace: the segments say which devices the snapshot holds
             f"device={device!r}: the snapshot has no trace and holds segments of device(s) "

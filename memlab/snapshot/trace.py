@@ -108,8 +108,12 @@ def choose(device: int | None, counts: Sequence[int]) -> int:
     """The device asked for, checked against the snapshot's, or the one with most events."""
     if device is None:
         return max(range(len(counts)), key=counts.__getitem__, default=0)
-    whole = isinstance(device, int) and not isinstance(device, bool)
-    if not whole or device < 0 or (counts and device >= len(counts)):
+    if not isinstance(device, int) or isinstance(device, bool):
+        raise ValueError(
+            f"device={device!r} is a {type(device).__name__}: pass a CUDA device's index (an "
+            "int), or None for the busiest."
+        )
+    if device < 0 or (counts and device >= len(counts)):
         raise ValueError(
             f"device={device!r}: the snapshot has traces for devices 0 to {len(counts) - 1}; "
             "pass one of those, or None for the busiest."
@@ -118,9 +122,32 @@ def choose(device: int | None, counts: Sequence[int]) -> int:
 
 
 def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]]:
+    """The device asked for (else the one with most events; where no trace has any, the one
+    whose segments reserve the most) and its trace's events."""
     traces = data.get("device_traces") or []
-    device = choose(device, [len(t) for t in traces])
+    if not isinstance(traces, (list, tuple)) or not all(isinstance(t, list) for t in traces):
+        raise ValueError(
+            f"device_traces is {type(traces).__name__} {traces!r:.40}: a snapshot's is a list "
+            "of each device's list of events (torch.cuda.memory._snapshot() writes it)."
+        )
+    counts = [len(t) for t in traces]
+    if device is None and not any(counts):
+        device = reserving_most(data.get("segments") or ())
+        if device is not None:
+            return device, list(traces[device]) if device < len(traces) else []
+    device = choose(device, counts)
     return device, list(traces[device]) if traces else []
+
+
+def reserving_most(segments: Any) -> int | None:
+    """The device whose segments reserve the most (the one to show where no trace has an
+    event); None where no segment says."""
+    reserved: dict[int, int] = {}
+    for seg in segments:
+        if isinstance(seg, Mapping):
+            d = int(seg.get("device", 0))
+            reserved[d] = reserved.get(d, 0) + int(seg.get("total_size", 0))
+    return max(reserved, key=reserved.__getitem__) if reserved else None
 
 
 def blocks_of(segments: Sequence[Mapping[str, Any]]) -> list[tuple[int, int, bool]]:

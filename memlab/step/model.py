@@ -90,6 +90,19 @@ def users_call(name: str, how: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
+def check_input(value: Any, tensors: list[torch.Tensor], device: torch.device, own: bool) -> None:
+    """input_fn's result: its tensors on ``device``; without a step_fn of the user's (``own``),
+    something the model can be called with."""
+    if not own and (value is None or isinstance(value, (str, bytes))):
+        got = "None" if value is None else f"{type(value).__name__} {value!r:.40}"
+        raise WhatIfError(
+            f"input_fn returned {got}: return the model's input: a tensor, a tuple of its "
+            "forward's arguments, or a dict of its keyword arguments (or give "
+            "step_fn=lambda model, batch: ... to use it)."
+        )
+    check_device("input_fn's result", tensors, device)
+
+
 def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:
     """A WhatIfError naming ``what`` if a tensor is not on ``device``."""
     for t in tensors:

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 from memlab.core.frames import users_unless_memlab_s
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
-from memlab.step.model import call, check_device, cpu_to, forward_error, users_call
+from memlab.step.model import call, check_input, cpu_to, forward_error, users_call
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -46,7 +46,7 @@ class UserStep:
         if self.device.type == "meta":  # an estimate: a batch from the CPU is on the GPU
             value = cpu_to(value, self.device)
         tensors = tensors_in(value)
-        check_device("input_fn's result", tensors, self.device)
+        check_input(value, tensors, self.device, self.step_fn is not None)
         for t in tensors:
             mark(t)
         if self.step_fn is not None:
