@@ -306,3 +306,40 @@ def test_a_learning_rate_torch_takes_is_taken() -> None:
             lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, lr=lr, device="cpu"
         )
         assert r.report is not None and r.config.lr == float(lr)
+
+
+def _repeat_by_brute_force(layers: list[nn.Module]) -> tuple[int, int, int, int] | None:
+    kinds = [type(m) for m in layers]
+    best = None
+    for length in range(1, len(layers) // 2 + 1):
+        for start in range(len(layers) - 2 * length + 1):
+            count = 1
+            while (
+                kinds[start + count * length : start + (count + 1) * length]
+                == kinds[start : start + length]
+            ):
+                count += 1
+            group = layers[start : start + length]
+            if count >= 2 and any(p.requires_grad for m in group for p in m.parameters()):
+                key = (count * length, -length, -start, count)
+                best = key if best is None or key > best else best
+    return best
+
+
+def test_the_repeated_run_search_finds_what_comparing_every_slice_finds() -> None:
+    import random
+
+    from memlab.step.checkpoint import _longest_repeat
+
+    rng = random.Random(0)
+    makers = [lambda: nn.Linear(2, 2), nn.ReLU, nn.GELU, lambda: nn.LayerNorm(2)]
+    for _ in range(150):
+        kinds = rng.randint(1, 4)
+        pattern = [makers[rng.randrange(kinds)] for _ in range(rng.randint(1, 3))]
+        layers = [makers[rng.randrange(kinds)]() for _ in range(rng.randint(0, 6))]
+        layers += [make() for _ in range(rng.randint(0, 4)) for make in pattern]
+        layers += [makers[rng.randrange(kinds)]() for _ in range(rng.randint(0, 6))]
+        for m in layers:
+            for p in m.parameters():
+                p.requires_grad_(rng.random() < 0.7)
+        assert _longest_repeat(layers) == _repeat_by_brute_force(layers)
