@@ -330,3 +330,28 @@ def test_the_panel_says_what_a_step_that_exits_raised() -> None:
     ex.run_button.click()
     ex._work.wait(60)
     assert "SystemExit: loss exits" in ex.message and not ex._work.running
+
+
+def test_a_region_beside_another_thread_s_says_its_figures_hold_that_work() -> None:
+    import threading
+
+    from memlab.region.overlap import NOTE
+
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with memlab.track("cpu"):
+            inside.set()
+            done.wait(30)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    inside.wait(30)
+    with memlab.track("cpu") as mine:
+        torch.ones(10)
+    done.set()
+    worker.join(30)
+    assert NOTE in mine.report.notes
+    with memlab.track("cpu") as alone:
+        torch.ones(10)
+    assert NOTE not in alone.report.notes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -18,10 +18,13 @@ from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native.eligible import NativeNotStartedError, eligible
 from memlab.core.native.region import NativeRegion, hand_over_open
-from memlab.core.recorder import Phase, Recorder
+from memlab.core.recorder import Recorder
 from memlab.core.warmup import warm_up
 from memlab.region.args import called, check_flag, check_label, check_since, watched, weak_refs
 from memlab.region.assemble import assemble
+from memlab.region.labels import labelled
+from memlab.region.overlap import notes as overlap_notes
+from memlab.region.overlap import opened
 from memlab.reports.report import MemoryReport, Reports
 
 
@@ -84,6 +87,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._native: NativeRegion | None = None
         self._cuda: dict[str, CudaRegion] = {}
         self._state = "new"
+        self._overlapped: list[str] = []
         self._reports: Reports | None = None
         self._build_error: BaseException | None = None
         self._t0 = 0.0
@@ -94,6 +98,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         if self._state != "new":
             raise RuntimeError("A track() object measures one region; create a new one.")
         self._state = "open"
+        opened(self)
         needs_accounting = (
             self.breakdown or self.timeline or any(not t.is_cuda for t in self.targets)
         )
@@ -129,6 +134,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                     self._accountant.mark(t, Category.INPUT)
         except BaseException:
             self._state = "failed"
+            overlap_notes(self)  # (no longer open)
             self._teardown()
             raise
         self._t0 = time.perf_counter()
@@ -193,6 +199,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 self._seconds = time.perf_counter() - self._t0
             finally:
                 self._teardown()
+            self._overlapped = overlap_notes(self)
             self._reports = Reports(tuple(self._assemble(t, et) for t in self.targets))
         except Exception as e:  # never mask the region's own exception with ours
             self._build_error = e
@@ -226,32 +233,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         elif self._native is not None and self._native.roles is not None:
             self._native.roles.mark(t, category)
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Label the region's events inside the block as phase ``name`` ("prefill" or "decode":
         a generation's prompt read at once, then its tokens one at a time) in the timeline,
         where they would say "forward" or "other"; a backward or an optimizer step inside
         keeps its own. Blocks nest; the innermost label applies."""
-        labels = Phase.NAMES[Phase.PREFILL :]
-        if name not in labels:
-            raise ValueError(f"phase must be one of {', '.join(map(repr, labels))}, not {name!r}.")
-        acc = self._accountant
-        roles = self._native.roles if self._native is not None else None
-        if roles is not None:  # the native record's hooks
-            outer = roles.label(Phase.NAMES.index(name))
-            try:
-                yield
-            finally:
-                roles.label(outer)
-            return
-        if acc is None:  # no events are kept: nothing to label
-            yield
-            return
-        outer, acc.labelled = acc.labelled, Phase.NAMES.index(name)
-        try:
-            yield
-        finally:
-            acc.labelled = outer
+        return labelled(self._accountant, self._native, name)
 
     def _watched(self) -> Iterable[Any]:
         return called(self._watch) if callable(self._watch) else _alive(self._watch)
@@ -289,7 +276,11 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             seconds=self._seconds,
             label=self.label,
             raised=raised,
-            notes=(list(acc.errors) if acc else []) + (self._native.notes if self._native else []),
+            notes=[
+                *(acc.errors if acc else ()),
+                *(self._native.notes if self._native else ()),
+                *self._overlapped,
+            ],
             timeline=self.timeline,
             driver=self.driver,
         )

@@ -1,0 +1,34 @@
+"""Regions open at once on different threads (the what-if panel's runs beside a cell). The ledger
+and the CUDA allocator's counters are the process's: what another thread's region allocates
+shows in this region's figures too. Each region's report says when that happened."""
+
+from __future__ import annotations
+
+import threading
+
+_LOCK = threading.Lock()
+#: id(region) -> (its thread, whether a region of another thread was open at once).
+_OPEN: dict[int, tuple[int, bool]] = {}
+
+NOTE = (
+    "memlab measured another thread's work at the same time (the what-if panel, say): the "
+    "process's memory is one, so what it allocated is in these figures too; measure again "
+    "once it is done"
+)
+
+
+def opened(region: object) -> None:
+    """``region`` opens on this thread; it and those open on others have overlapped."""
+    me = threading.get_ident()
+    with _LOCK:
+        others = [key for key, (thread, _) in _OPEN.items() if thread != me]
+        for key in others:
+            _OPEN[key] = (_OPEN[key][0], True)
+        _OPEN[id(region)] = (me, bool(others))
+
+
+def notes(region: object) -> list[str]:
+    """The note for ``region``, if another thread's region overlapped it (closed: forgotten)."""
+    with _LOCK:
+        entry = _OPEN.pop(id(region), None)
+    return [NOTE] if entry is not None and entry[1] else []
