@@ -355,3 +355,18 @@ def test_a_region_beside_another_thread_s_says_its_figures_hold_that_work() -> N
     with memlab.track("cpu") as alone:
         torch.ones(10)
     assert NOTE not in alone.report.notes
+
+
+def test_the_panel_refuses_a_config_its_controls_cannot_hold() -> None:
+    from memlab.step import RunConfig
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+
+    data = lambda b: torch.randn(b, 4)  # noqa: E731
+    with pytest.raises(WhatIfError, match=r"cannot hold checkpoint=\('0',\) \(the panel shows"):
+        memlab.Explorer(model, data, config=RunConfig(checkpoint=("0",)))
+    with pytest.raises(WhatIfError, match=r"cannot hold budget=1000"):
+        memlab.Explorer(model, data, config=RunConfig(budget=1000))
+    ok = memlab.Explorer(model, data, config=RunConfig(batch_size=8, amp="bf16"))
+    assert ok.config.batch_size == 8 and ok.config.amp == "bf16"

@@ -17,6 +17,7 @@ another mode (an offload, a lever, ranks) neither shows nor turns a run into an 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memlab.step import Mode, Retention
@@ -101,3 +102,16 @@ def follow(self: Any) -> None:
     show_applicable(self)
     for name in DRIVERS:
         getattr(self, name).observe(lambda _: show_applicable(self), names="value")
+
+
+def unshown(self: Any, given: Any) -> list[str]:
+    """The settings of ``given`` (the RunConfig the panel was built with) that its controls
+    cannot hold, each as "name=given (the panel shows shown)": a run would use other values
+    without a word. Settings of hidden controls (they do not apply) aside."""
+    shown = self.config
+    hidden = {name for name, applies in applying(self).items() if not applies}
+    return [
+        f"{f.name}={getattr(given, f.name)!r} (the panel shows {getattr(shown, f.name)!r})"
+        for f in dataclasses.fields(given)
+        if f.name not in hidden and getattr(given, f.name) != getattr(shown, f.name)
+    ]

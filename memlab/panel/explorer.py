@@ -18,7 +18,7 @@ from memlab.core import cuda
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
-from memlab.panel.applies import neutral
+from memlab.panel.applies import neutral, unshown
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.levers import lever_values
 from memlab.panel.limit import LINE, MUTED, BudgetLimit
@@ -99,6 +99,12 @@ class Explorer(BudgetLimit):
         c = config_of(config, {})  # a RunConfig, a dict of its fields, or None
         self._base = c
         self.widget = build_controls(self, c)
+        lost = unshown(self, c) if config is not None else []
+        if lost:  # a run would use other values without a word: said now, by name
+            raise WhatIfError(
+                f"Explorer's controls cannot hold {'; '.join(lost)}: measure that with "
+                "memlab.whatif.run(..., config) or estimate, or leave it out of config."
+            )
         self._work = Work(controls(self), self.cancel_button, self._write)
         self._show_limit()
 
