@@ -370,3 +370,23 @@ def test_the_panel_refuses_a_config_its_controls_cannot_hold() -> None:
         memlab.Explorer(model, data, config=RunConfig(budget=1000))
     ok = memlab.Explorer(model, data, config=RunConfig(batch_size=8, amp="bf16"))
     assert ok.config.batch_size == 8 and ok.config.amp == "bf16"
+
+
+def _child_before(queue: Any) -> None:
+    with memlab.track("cpu") as t:
+        torch.ones(10)
+    queue.put((t.report.allocated_before, t.report.peak_delta))
+
+
+def test_a_forked_child_measures_from_an_empty_ledger() -> None:
+    import multiprocessing
+
+    with memlab.track("cpu"):
+        held = torch.ones(1_000_000)  # the parent's, in its ledger from here
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_before, args=(queue,))
+    child.start()
+    before, delta = queue.get(timeout=60)
+    child.join(60)
+    assert before < held.nbytes and delta == 40  # the parent's tensors are not the child's
