@@ -390,3 +390,21 @@ def test_a_forked_child_measures_from_an_empty_ledger() -> None:
     before, delta = queue.get(timeout=60)
     child.join(60)
     assert before < held.nbytes and delta == 40  # the parent's tensors are not the child's
+
+
+def test_the_first_region_under_a_low_recursion_limit_runs() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, torch, memlab
+        m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(30)])
+        sys.setrecursionlimit(200)
+        with memlab.track("cpu", breakdown=True) as t:
+            m(torch.randn(2, 8)).sum().backward()
+        print("limit", sys.getrecursionlimit(), "peak", t.report.peak_delta > 0)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "limit 200 peak True" in out.stdout and "Exception in thread" not in out.stderr

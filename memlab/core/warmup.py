@@ -24,6 +24,8 @@ _thread: threading.Thread | None = None
 
 #: How long the warm-up waits for another thread's import of torch._dynamo to finish.
 WAIT_FOR_IMPORT = 120.0
+#: The recursion limit the import is given where the program's is lower (Python's default).
+IMPORT_DEPTH = 1000
 
 
 def _imported_elsewhere() -> bool:
@@ -41,10 +43,21 @@ def _first_mode() -> None:
     deadline = time.monotonic() + WAIT_FOR_IMPORT
     while _imported_elsewhere() and time.monotonic() < deadline:
         time.sleep(0.01)
-    with _PassThrough():
-        torch.empty(0)
-    # the first optimizer imports it too (on older PyTorch, where a dispatch mode does not)
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    # The import nests deeply: under a program's low recursion limit (200) it would fail, here
+    # and then inside the user's cell. Python's default is lent for it (the caller waits).
+    limit = sys.getrecursionlimit()
+    if limit < IMPORT_DEPTH:
+        sys.setrecursionlimit(IMPORT_DEPTH)
+    try:
+        with _PassThrough():
+            torch.empty(0)
+        # the first optimizer imports it too (on older PyTorch, where a dispatch mode does not)
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    except Exception:  # (left to the first region, which says what went wrong)
+        pass
+    finally:
+        if limit < IMPORT_DEPTH and sys.getrecursionlimit() == IMPORT_DEPTH:
+            sys.setrecursionlimit(limit)
 
 
 def warm_up() -> None:
