@@ -343,3 +343,20 @@ def test_the_repeated_run_search_finds_what_comparing_every_slice_finds() -> Non
             for p in m.parameters():
                 p.requires_grad_(rng.random() < 0.7)
         assert _longest_repeat(layers) == _repeat_by_brute_force(layers)
+
+
+def test_a_graph_from_an_earlier_cell_is_read_where_torch_can_and_left_where_not(ip: Any) -> None:
+    from conftest import run
+
+    from memlab.core._torch_autograd import raw_saved_readable
+
+    setup = (
+        "net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())\n"
+        "x = torch.randn(4, 16)\n"
+        "y = net(x)"
+    )
+    assert run(ip, setup).success
+    assert run(ip, "%%gpumem -q -b -o r\nz = 1").success
+    activation = ip.user_ns["r"].breakdown.at_end.get(Category.ACTIVATION, 0)
+    # x and the ReLU's output (y itself), saved; before 2.11 nothing is read
+    assert activation == (2 * 4 * 16 * 4 if raw_saved_readable() else 0)
