@@ -315,9 +315,8 @@ def test_input_fn_returning_none_is_named() -> None:
     import memlab
     from memlab.step import WhatIfError
 
-    for bad in (None, "text"):
-        with pytest.raises(WhatIfError, match="input_fn returned"):
-            memlab.whatif.run(lambda: torch.nn.Linear(4, 4), lambda n, b=bad: b, device="cpu")
+    with pytest.raises(WhatIfError, match="input_fn returned None: return the model's input"):
+        memlab.whatif.run(lambda: torch.nn.Linear(4, 4), lambda n: None, device="cpu")
 
 
 def test_the_panel_says_what_a_step_that_exits_raised() -> None:
@@ -366,8 +365,8 @@ def test_the_panel_refuses_a_config_its_controls_cannot_hold() -> None:
     data = lambda b: torch.randn(b, 4)  # noqa: E731
     with pytest.raises(WhatIfError, match=r"cannot hold checkpoint=\('0',\) \(the panel shows"):
         memlab.Explorer(model, data, config=RunConfig(checkpoint=("0",)))
-    with pytest.raises(WhatIfError, match=r"cannot hold budget=1000"):
-        memlab.Explorer(model, data, config=RunConfig(budget=1000))
+    with pytest.raises(WhatIfError, match=r"cannot hold compile='max-autotune'"):
+        memlab.Explorer(model, data, config=RunConfig(compile="max-autotune"))
     ok = memlab.Explorer(model, data, config=RunConfig(batch_size=8, amp="bf16"))
     assert ok.config.batch_size == 8 and ok.config.amp == "bf16"
 
@@ -408,3 +407,58 @@ def test_the_first_region_under_a_low_recursion_limit_runs() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "limit 200 peak True" in out.stdout and "Exception in thread" not in out.stderr
+
+
+def test_own_autocast_blocks_on_two_threads_leave_the_class_as_it_was() -> None:
+    import threading
+
+    from memlab.estimate.autocast import own_autocast
+
+    cls = torch.amp.autocast_mode.autocast
+    before = (cls.__init__, cls.__enter__, cls.__exit__)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def second() -> None:
+        with own_autocast([]):
+            b_in.set()
+            a_out.wait(30)  # the first block ends while this one is open
+
+    with own_autocast([]):
+        worker = threading.Thread(target=second)
+        worker.start()
+        a_in.set()
+        b_in.wait(30)
+    a_out.set()
+    worker.join(30)
+    assert (cls.__init__, cls.__enter__, cls.__exit__) == before
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_a_region_whose_end_raises_is_no_longer_counted_open() -> None:
+    from memlab.region import overlap
+
+    state = {"ok": True}
+
+    def watched() -> list[Any]:
+        if not state["ok"]:
+            raise NameError("name 'model' is not defined")
+        return []
+
+    with pytest.raises(NameError), memlab.track("cpu", breakdown=True, watch=watched):
+        state["ok"] = False
+    assert not overlap._OPEN
+
+
+def test_the_panel_keeps_a_budget_given_in_bytes() -> None:
+    from memlab.step import RunConfig
+
+    for budget in (int(8e9), 1_500_000, 16 * 2**30):
+        ex = memlab.Explorer(
+            lambda: torch.nn.Linear(4, 4),
+            lambda b: torch.randn(b, 4),
+            config=RunConfig(budget=budget),
+        )
+        assert ex.config.budget == budget
+        ex.budget.value = 2.0  # typed by the user: MiB
+        assert ex.config.budget == 2 * 2**20

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -88,7 +89,7 @@ def naming(mark: Callable[[torch.Tensor, Category], None]) -> Iterator[None]:
     classes are patched while any block is open, on any thread, and put back after the last."""
     ident = threading.get_ident()
     with _LOCK:
-        if not _MARKS:
+        if not _PATCHED:  # (also where transformers was imported since an earlier region)
             _patch()
         _MARKS.setdefault(ident, []).append(mark)
     try:
@@ -102,3 +103,15 @@ def naming(mark: Callable[[torch.Tensor, Category], None]) -> Iterator[None]:
                 _MARKS.pop(ident, None)
             if not _MARKS:
                 _unpatch()
+
+
+def _after_fork() -> None:  # the child's one thread: the others' regions are not open in it
+    global _LOCK
+    _LOCK = threading.Lock()
+    me = threading.get_ident()
+    for thread in [t for t in _MARKS if t != me]:
+        del _MARKS[thread]
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork)

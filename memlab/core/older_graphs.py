@@ -20,6 +20,7 @@ graph's storages stay "other", as they were.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -256,3 +257,16 @@ def _forget(walk: _Walk) -> None:
         for storage in storages:
             with contextlib.suppress(Exception):
                 listener(storage)
+
+
+def _after_fork() -> None:
+    """The child's ledger starts empty (`memlab.core.fork`): its graphs are walked again, for
+    it; no lock another thread held at the fork stays held."""
+    global _LOCK, _WALKS
+    _LOCK = threading.RLock()
+    _WALKS = WeakIdKeyDictionary()
+    LISTENERS.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork)

@@ -9,6 +9,7 @@ docs/estimator.md.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -371,77 +372,117 @@ _EMULATED_DEVICES = ("cuda", "meta")
 #: emulations each has entered (one object may be entered again inside).
 _OWN: weakref.WeakKeyDictionary[Any, tuple[str, torch.dtype, bool]] = weakref.WeakKeyDictionary()
 _ENTERED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_AUTOCAST = torch.amp.autocast_mode.autocast
+_ORIGINAL = {name: _AUTOCAST.__dict__[name] for name in ("__init__", "__enter__", "__exit__")}
+
+
+class _Block:
+    """One `own_autocast` block: its notes, and the emulations entered in it still open."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self.seen = seen
+        self.opened: list[Any] = []
+
+
+#: The open blocks, by thread (innermost last); the class is patched while there is one.
+_BLOCKS: dict[int, list[_Block]] = {}
+_LOCK = threading.Lock()
+
+
+def _block() -> _Block | None:
+    blocks = _BLOCKS.get(threading.get_ident())
+    return blocks[-1] if blocks else None
+
+
+def _own_init(
+    self: Any,
+    device_type: str,
+    dtype: torch.dtype | None = None,
+    enabled: bool = True,
+    cache_enabled: bool | None = None,
+) -> None:
+    init = _ORIGINAL["__init__"]
+    if device_type not in _EMULATED_DEVICES or _block() is None:
+        init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        return
+    init(self, "cpu", dtype=torch.bfloat16, enabled=False, cache_enabled=cache_enabled)
+    _OWN[self] = (device_type, torch.float16 if dtype is None else dtype, bool(enabled))
+
+
+def _own_enter(self: Any) -> Any:
+    own, block = _OWN.get(self), _block()
+    if own is None or block is None:
+        return _ORIGINAL["__enter__"](self)
+    device, dtype, enabled = own
+    if enabled and dtype in HALF:
+        context: Any = emulated(dtype)
+        said = f"the step's own torch.autocast({device!r}, {dtype}): emulated"
+        if device == "cuda" and said not in block.seen:
+            block.seen.append(said)
+    else:
+        context = _suspended()
+    _ENTERED.setdefault(self, []).append(context)  # (first: a Ctrl-C leaves it to be closed)
+    block.opened.append(context)
+    context.__enter__()
+    return None
+
+
+def _own_exit(self: Any, *exc: Any) -> Any:
+    stack = _ENTERED.get(self)
+    if self not in _OWN or not stack:
+        return _ORIGINAL["__exit__"](self, *exc)
+    context = stack.pop()
+    block = _block()
+    if block is not None and context in block.opened:
+        block.opened.remove(context)
+    context.__exit__(*exc)
+    return False
 
 
 @contextlib.contextmanager
 def own_autocast(seen: list[str]) -> Iterator[None]:
     """While estimating (or a pre-flight runs its cell): the program's own
     ``torch.autocast("cuda", dtype)`` (also ``torch.cuda.amp.autocast``, however imported: the
-    class's methods are replaced), made on this thread, runs as the emulation of CUDA's
-    autocast to that dtype; ``enabled=False`` suspends the emulation (a rotary embedding
-    computed in float32), and ``"meta"`` (a device type read off a tensor) counts as CUDA's,
-    which PyTorch refuses on meta. What was emulated is added to ``seen`` (once each) for the
-    notes. Other devices' and other threads' autocast run as they are. Such an object is
-    built as a disabled one too, as it would be on a machine without CUDA: used after the
-    block, it does nothing; an emulation still open at the end (a generator left inside its
-    ``with``) is closed then."""
-    cls = torch.amp.autocast_mode.autocast
-    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
-    owner = threading.get_ident()
-    opened: list[Any] = []
-
-    def own_init(
-        self: Any,
-        device_type: str,
-        dtype: torch.dtype | None = None,
-        enabled: bool = True,
-        cache_enabled: bool | None = None,
-    ) -> None:
-        if device_type not in _EMULATED_DEVICES or threading.get_ident() != owner:
-            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-            return
-        init(self, "cpu", dtype=torch.bfloat16, enabled=False, cache_enabled=cache_enabled)
-        _OWN[self] = (device_type, torch.float16 if dtype is None else dtype, bool(enabled))
-
-    def own_enter(self: Any) -> Any:
-        own = _OWN.get(self)
-        if own is None:
-            return enter(self)
-        device, dtype, enabled = own
-        if enabled and dtype in HALF:
-            context: Any = emulated(dtype)
-            said = f"the step's own torch.autocast({device!r}, {dtype}): emulated"
-            if device == "cuda" and said not in seen:
-                seen.append(said)
-        else:
-            context = _suspended()
-        context.__enter__()
-        _ENTERED.setdefault(self, []).append(context)
-        opened.append(context)
-        return None
-
-    def own_exit(self: Any, *exc: Any) -> Any:
-        if self not in _OWN:
-            return exit_(self, *exc)
-        stack = _ENTERED.get(self)
-        if stack:
-            context = stack.pop()
-            if context in opened:
-                opened.remove(context)
-            context.__exit__(*exc)
-        return False
-
-    patches = {"__init__": own_init, "__enter__": own_enter, "__exit__": own_exit}
-    with _torch.PATCH_LOCK:  # (held to patch and to put back, not for the block)
-        for name, method in patches.items():
-            setattr(cls, name, method)
+    class's methods are replaced while any such block is open, on any thread), made on this
+    thread, runs as the emulation of CUDA's autocast to that dtype; ``enabled=False`` suspends
+    the emulation (a rotary embedding computed in float32), and ``"meta"`` (a device type read
+    off a tensor) counts as CUDA's, which PyTorch refuses on meta. What was emulated is added
+    to ``seen`` (once each) for the notes. Other devices', and threads without a block, run as
+    they are. Such an object is built as a disabled one too, as it would be on a machine
+    without CUDA: used after the block, it does nothing; an emulation still open at the end (a
+    generator left inside its ``with``) is closed then."""
+    me, block = threading.get_ident(), _Block(seen)
+    with _LOCK:
+        if not _BLOCKS:
+            _AUTOCAST.__init__ = _own_init  # type: ignore[method-assign]
+            _AUTOCAST.__enter__ = _own_enter  # type: ignore[method-assign]
+            _AUTOCAST.__exit__ = _own_exit  # type: ignore[method-assign]
+        _BLOCKS.setdefault(me, []).append(block)
     try:
         yield
     finally:
         try:
-            while opened:  # left open (a generator suspended inside): closed, the last first
-                opened.pop().__exit__(None, None, None)
+            while block.opened:  # left open (a generator suspended inside): the last first
+                block.opened.pop().__exit__(None, None, None)
         finally:
-            with _torch.PATCH_LOCK:
-                for name, method in (("__init__", init), ("__enter__", enter), ("__exit__", exit_)):
-                    setattr(cls, name, method)
+            with _LOCK:
+                mine = _BLOCKS.get(me, [])
+                if block in mine:
+                    mine.remove(block)
+                if not mine:
+                    _BLOCKS.pop(me, None)
+                if not _BLOCKS:  # the last block: the class as it was
+                    for name, method in _ORIGINAL.items():
+                        setattr(_AUTOCAST, name, method)
+
+
+def _after_fork() -> None:  # the child's one thread: no block of another's, no lock held
+    global _LOCK
+    _LOCK = threading.Lock()
+    me = threading.get_ident()
+    for thread in [t for t in _BLOCKS if t != me]:
+        _BLOCKS.pop(thread, None)
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memlab.step import Mode, Retention
+from memlab.step import Mode, Retention, WhatIfError
 
 #: Each control that may not apply, and the value the configuration reads while it is hidden
 #: (None: its own value, passed as it is: only the mode it belongs to reads it).
@@ -102,6 +102,25 @@ def follow(self: Any) -> None:
     show_applicable(self)
     for name in DRIVERS:
         getattr(self, name).observe(lambda _: show_applicable(self), names="value")
+
+
+def refuse_unshown(self: Any, given: Any) -> None:
+    """A WhatIfError naming the settings of ``given`` the panel's controls cannot hold (its
+    widgets closed first: the panel is not made)."""
+    lost = unshown(self, given)
+    if lost:
+        close_all(self.widget)
+        raise WhatIfError(
+            f"Explorer's controls cannot hold {'; '.join(lost)}: measure that with "
+            "memlab.whatif.run(..., config) or estimate, or leave it out of config."
+        )
+
+
+def close_all(widget: Any) -> None:
+    """``widget`` and those inside it closed (ipywidgets keeps each until it is)."""
+    for child in getattr(widget, "children", ()):
+        close_all(child)
+    widget.close()
 
 
 def unshown(self: Any, given: Any) -> list[str]:

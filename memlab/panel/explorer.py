@@ -18,10 +18,10 @@ from memlab.core import cuda
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
-from memlab.panel.applies import neutral, unshown
+from memlab.panel.applies import neutral, refuse_unshown
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.levers import lever_values
-from memlab.panel.limit import LINE, MUTED, BudgetLimit
+from memlab.panel.limit import LINE, MUTED, BudgetLimit, mib
 from memlab.panel.ranks import fit_and_peak, predicted
 from memlab.panel.search import MAX_BATCH, predicted_batch
 from memlab.panel.views import bars, png, runs_table
@@ -99,12 +99,8 @@ class Explorer(BudgetLimit):
         c = config_of(config, {})  # a RunConfig, a dict of its fields, or None
         self._base = c
         self.widget = build_controls(self, c)
-        lost = unshown(self, c) if config is not None else []
-        if lost:  # a run would use other values without a word: said now, by name
-            raise WhatIfError(
-                f"Explorer's controls cannot hold {'; '.join(lost)}: measure that with "
-                "memlab.whatif.run(..., config) or estimate, or leave it out of config."
-            )
+        if config is not None:
+            refuse_unshown(self, c)  # a run would use other values without a word
         self._work = Work(controls(self), self.cancel_button, self._write)
         self._show_limit()
 
@@ -112,7 +108,9 @@ class Explorer(BudgetLimit):
     @property
     def config(self) -> RunConfig:
         """The configuration the controls describe (raises WhatIfError if it is not valid)."""
-        budget = int(self.budget.value * MiB) or None
+        given = self._base.budget  # its bytes while the field still shows them (in 0.1 MiB)
+        same = given is not None and self.budget.value == mib(given)
+        budget = given if same else int(self.budget.value * MiB) or None
         fields = dict(
             amp=self.amp.value,
             checkpoint=self.checkpoint.value,

@@ -198,8 +198,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                     cr.finish()
                 self._seconds = time.perf_counter() - self._t0
             finally:
-                self._teardown()
-            self._overlapped = overlap_notes(self)
+                try:
+                    self._teardown()
+                finally:  # (once: a close tried again after a Ctrl-C keeps the first's)
+                    self._overlapped = self._overlapped or overlap_notes(self)
             self._reports = Reports(tuple(self._assemble(t, et) for t in self.targets))
         except Exception as e:  # never mask the region's own exception with ours
             self._build_error = e

@@ -4,6 +4,7 @@ shows in this region's figures too. Each region's report says when that happened
 
 from __future__ import annotations
 
+import os
 import threading
 
 _LOCK = threading.Lock()
@@ -32,3 +33,15 @@ def notes(region: object) -> list[str]:
     with _LOCK:
         entry = _OPEN.pop(id(region), None)
     return [NOTE] if entry is not None and entry[1] else []
+
+
+def _after_fork() -> None:  # the child's one thread: the others' regions are not open in it
+    global _LOCK
+    _LOCK = threading.Lock()
+    me = threading.get_ident()
+    for key in [k for k, (thread, _) in _OPEN.items() if thread != me]:
+        del _OPEN[key]
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork)

@@ -93,10 +93,9 @@ def users_call(name: str, how: str, fn: Callable[..., Any], *args: Any) -> Any:
 def check_input(value: Any, tensors: list[torch.Tensor], device: torch.device, own: bool) -> None:
     """input_fn's result: its tensors on ``device``; without a step_fn of the user's (``own``),
     something the model can be called with."""
-    if not own and (value is None or isinstance(value, (str, bytes))):
-        got = "None" if value is None else f"{type(value).__name__} {value!r:.40}"
+    if not own and value is None:  # (a string may be a model's input: one that tokenizes)
         raise WhatIfError(
-            f"input_fn returned {got}: return the model's input: a tensor, a tuple of its "
+            "input_fn returned None: return the model's input: a tensor, a tuple of its "
             "forward's arguments, or a dict of its keyword arguments (or give "
             "step_fn=lambda model, batch: ... to use it)."
         )
