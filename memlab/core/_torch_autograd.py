@@ -14,6 +14,20 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _ck
 
+from memlab.core import _torch
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def saved_names(node: Any) -> tuple[str, ...]:
+    """The names of the attributes through which ``node`` exposes its saved tensors
+    (``_saved_x``), read once per node type."""
+    names = _NAMES.get(type(node))
+    if names is None:
+        names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
+    return names
+
+
 #: What `saved_value` answers for a saved tensor a program's hook packed as no tensor.
 HOOKED = object()
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.threads import PerThread
 
 _MODULE = "transformers.cache_utils"
 
@@ -44,15 +43,14 @@ def _held(obj: Any, layer: Any) -> Iterator[torch.Tensor]:
 
 #: The open breakdown regions' marks, by thread (a cache filled on a thread is named for the
 #: regions open on that thread), and the classes patched while any is open.
-_MARKS: dict[int, list[Callable[[torch.Tensor, Category], None]]] = {}
+_MARKS = PerThread()
 _PATCHED: list[tuple[type, Any]] = []
-_LOCK = threading.Lock()
 
 
 def _update_named(update: Callable[..., Any]) -> Any:
     def update_named(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = update(self, *args, **kwargs)
-        marks = _MARKS.get(threading.get_ident())
+        marks = _MARKS.mine()
         if marks:
             try:
                 layer = kwargs.get("layer_idx", args[2] if len(args) > 2 else None)
@@ -87,31 +85,8 @@ def naming(mark: Callable[[torch.Tensor, Category], None]) -> Iterator[None]:
     """Within the block, what Hugging Face's caches hold after each ``update`` on this thread
     is told to ``mark`` as ``kv_cache``; nothing where transformers is not imported. The
     classes are patched while any block is open, on any thread, and put back after the last."""
-    ident = threading.get_ident()
-    with _LOCK:
-        if not _PATCHED:  # (also where transformers was imported since an earlier region)
-            _patch()
-        _MARKS.setdefault(ident, []).append(mark)
+    _MARKS.push(mark, lambda first: _patch() if not _PATCHED else None)  # (imported since)
     try:
         yield
     finally:
-        with _LOCK:
-            mine = _MARKS.get(ident, [])
-            if mark in mine:
-                mine.remove(mark)
-            if not mine:
-                _MARKS.pop(ident, None)
-            if not _MARKS:
-                _unpatch()
-
-
-def _after_fork() -> None:  # the child's one thread: the others' regions are not open in it
-    global _LOCK
-    _LOCK = threading.Lock()
-    me = threading.get_ident()
-    for thread in [t for t in _MARKS if t != me]:
-        del _MARKS[thread]
-
-
-if hasattr(os, "register_at_fork"):  # (POSIX)
-    os.register_at_fork(after_in_child=_after_fork)
+        _MARKS.pop(mark, lambda last: _unpatch() if last else None)

@@ -29,8 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memlab.core import _torch
-from memlab.core._torch_autograd import HOOKED, raw_saved_readable, saved_hook, saved_value
+from memlab.core._torch_autograd import (
+    HOOKED,
+    raw_saved_readable,
+    saved_hook,
+    saved_names,
+    saved_value,
+)
 from memlab.core.storages import storage_of
 
 if TYPE_CHECKING:
@@ -39,8 +44,6 @@ if TYPE_CHECKING:
 #: The most autograd nodes one walk reads, and the most one look starts walks for (a list of
 #: losses kept with their graphs: one walk each); the report's notes say when either stopped.
 MAX_NODES = 20_000
-
-_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -90,10 +93,7 @@ def _saved(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(attribute, tensor) for each tensor ``node`` holds saved, never through a hook; raises
     RuntimeError where backward released them. An attribute that cannot be read otherwise is
     passed over."""
-    names = _NAMES.get(type(node))
-    if names is None:
-        names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
-    for name in names:
+    for name in saved_names(node):
         try:
             value = saved_value(node, name, strict=True)
         except RuntimeError as e:

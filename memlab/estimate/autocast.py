@@ -9,7 +9,6 @@ docs/estimator.md.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from memlab.core import _torch
 from memlab.core._torch_autograd import checkpoint_patches
+from memlab.core.threads import PerThread
 
 LOWER_PRECISION = [
     "_convolution",
@@ -385,12 +385,11 @@ class _Block:
 
 
 #: The open blocks, by thread (innermost last); the class is patched while there is one.
-_BLOCKS: dict[int, list[_Block]] = {}
-_LOCK = threading.Lock()
+_BLOCKS = PerThread()
 
 
 def _block() -> _Block | None:
-    blocks = _BLOCKS.get(threading.get_ident())
+    blocks = _BLOCKS.mine()
     return blocks[-1] if blocks else None
 
 
@@ -451,13 +450,8 @@ def own_autocast(seen: list[str]) -> Iterator[None]:
     they are. Such an object is built as a disabled one too, as it would be on a machine
     without CUDA: used after the block, it does nothing; an emulation still open at the end (a
     generator left inside its ``with``) is closed then."""
-    me, block = threading.get_ident(), _Block(seen)
-    with _LOCK:
-        if not _BLOCKS:
-            _AUTOCAST.__init__ = _own_init  # type: ignore[method-assign]
-            _AUTOCAST.__enter__ = _own_enter  # type: ignore[method-assign]
-            _AUTOCAST.__exit__ = _own_exit  # type: ignore[method-assign]
-        _BLOCKS.setdefault(me, []).append(block)
+    block = _Block(seen)
+    _BLOCKS.push(block, _patch)
     try:
         yield
     finally:
@@ -465,24 +459,17 @@ def own_autocast(seen: list[str]) -> Iterator[None]:
             while block.opened:  # left open (a generator suspended inside): the last first
                 block.opened.pop().__exit__(None, None, None)
         finally:
-            with _LOCK:
-                mine = _BLOCKS.get(me, [])
-                if block in mine:
-                    mine.remove(block)
-                if not mine:
-                    _BLOCKS.pop(me, None)
-                if not _BLOCKS:  # the last block: the class as it was
-                    for name, method in _ORIGINAL.items():
-                        setattr(_AUTOCAST, name, method)
+            _BLOCKS.pop(block, _restore)
 
 
-def _after_fork() -> None:  # the child's one thread: no block of another's, no lock held
-    global _LOCK
-    _LOCK = threading.Lock()
-    me = threading.get_ident()
-    for thread in [t for t in _BLOCKS if t != me]:
-        _BLOCKS.pop(thread, None)
+def _patch(first: bool) -> None:
+    if first:
+        _AUTOCAST.__init__ = _own_init  # type: ignore[method-assign]
+        _AUTOCAST.__enter__ = _own_enter  # type: ignore[method-assign]
+        _AUTOCAST.__exit__ = _own_exit  # type: ignore[method-assign]
 
 
-if hasattr(os, "register_at_fork"):  # (POSIX)
-    os.register_at_fork(after_in_child=_after_fork)
+def _restore(last: bool) -> None:
+    if last:  # the last block: the class as it was
+        for name, method in _ORIGINAL.items():
+            setattr(_AUTOCAST, name, method)

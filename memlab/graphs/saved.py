@@ -7,11 +7,8 @@ from typing import Any
 
 import torch
 
-from memlab.core import _torch
-from memlab.core._torch_autograd import saved_value
+from memlab.core._torch_autograd import saved_names, saved_value
 from memlab.core.storages import sparse_parts
-
-_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 class GraphFreedError(RuntimeError):
@@ -21,10 +18,7 @@ class GraphFreedError(RuntimeError):
 def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(attribute, tensor) for each tensor ``node`` saved. Raises GraphFreedError when backward
     already released them (run the analysis before backward, or backward with retain_graph)."""
-    names = _NAMES.get(type(node))
-    if names is None:
-        names = _NAMES[type(node)] = _torch.saved_attribute_names(node)
-    for name in names:
+    for name in saved_names(node):
         try:
             value = saved_value(node, name)  # never a program's unpack hook (see there)
         except RuntimeError as e:
