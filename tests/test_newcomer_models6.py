@@ -20,6 +20,18 @@ from memlab.step import WhatIfError
 MEMLAB = str(Path(memlab.__file__).parent)
 
 
+def _small(config: Any, vocab: int, hidden: int, layers: int, heads: int, **more: Any) -> Any:
+    """A transformers config of a small model (the feed-forward twice the hidden size)."""
+    return config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        **more,
+    )
+
+
 class Block(nn.Module):
     def __init__(self, reentrant: bool | None) -> None:
         super().__init__()
@@ -64,14 +76,7 @@ def test_a_model_s_own_checkpointing_estimates_under_amp(reentrant: bool) -> Non
 
 def test_a_hugging_face_model_s_gradient_checkpointing_estimates_under_amp() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = _small(transformers.LlamaConfig, 256, 64, 2, 4, num_key_value_heads=2)
 
     def model(checkpointed: bool) -> Any:
         m = transformers.LlamaForCausalLM(config)
@@ -136,14 +141,7 @@ def test_a_step_s_own_autocast_for_cuda_is_estimated_as_the_amp_setting_is() -> 
 
 def _tiny_bert() -> Any:
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-    )
+    config = _small(transformers.BertConfig, 128, 32, 1, 2, max_position_embeddings=32)
     return transformers.BertModel(config)
 
 
@@ -194,12 +192,12 @@ def test_a_step_fn_that_takes_other_arguments_is_told_how_it_is_called() -> None
 
 def test_a_model_that_looks_for_padding_in_its_ids_estimates_without_a_mask() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.DebertaV2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+    config = _small(
+        transformers.DebertaV2Config,
+        128,
+        32,
+        1,
+        2,
         max_position_embeddings=32,
         pad_token_id=0,
         num_labels=3,
