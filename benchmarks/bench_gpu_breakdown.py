@@ -1,12 +1,13 @@
 """What a breakdown costs on a GPU, against a dispatch mode that does nothing (needs CUDA).
 
 On a GPU, ``memlab.track()`` reads the caching allocator's counters at each end and follows no
-op; with ``breakdown=True`` every op passes through memlab's Python dispatch mode (the native
-record follows CPU memory only). Two training steps, each timed bare, under a do-nothing
-``TorchDispatchMode``, under ``track()`` and under ``track(breakdown=True)``, the ways taking
-turns: torchvision's ResNet-18 (batch 64, 224×224; where torchvision imports) and an 8-layer
-tiny-op MLP. Then the process's CPU time against its wall time with a breakdown: equal means
-the CPU is the bound (no sync waits hidden in it).
+op; ``breakdown=True`` reads the allocator's own log (`memlab.core.cuda_log`: no Python per
+op), and with ``MEMLAB_CUDA_LOG=0`` every op passes through memlab's Python dispatch mode
+instead. Three training steps, each timed bare, under a do-nothing ``TorchDispatchMode``, under
+``track()``, under ``track(breakdown=True)`` both ways, the ways taking turns: torchvision's
+ResNet-18 (batch 64, 224×224; where torchvision imports), an 8-layer tiny-op MLP, and a 4-layer
+GPT-2 from transformers (where it imports). Then the process's CPU time against its wall time
+with a breakdown: equal means the CPU is the bound (no sync waits hidden in it).
 
     python benchmarks/bench_gpu_breakdown.py [--rounds 5] [--out FILE]
 """
@@ -14,6 +15,7 @@ the CPU is the bound (no sync waits hidden in it).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -58,11 +60,48 @@ def training_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
+class DispatchMode:
+    """``track(breakdown=True)`` measured by the dispatch mode (``MEMLAB_CUDA_LOG=0``)."""
+
+    def __enter__(self) -> DispatchMode:
+        os.environ["MEMLAB_CUDA_LOG"] = "0"
+        self.region = memlab.track("cuda", breakdown=True)
+        self.region.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.region.__exit__(*exc)
+        finally:
+            os.environ.pop("MEMLAB_CUDA_LOG", None)
+
+
+def gpt2() -> tuple[nn.Module, Any] | None:
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except Exception:
+        return None
+    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=256)
+    model = GPT2LMHeadModel(cfg).cuda()
+    ids = torch.randint(0, 8000, (8, 256), device="cuda")
+
+    class Loss(nn.Module):  # (the step below squares what the model returns)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x, labels=x).loss
+
+    return Loss(), ids
+
+
 WAYS: dict[str, Callable[[], Any]] = {
     "bare": lambda: None,
     "a dispatch mode that does nothing": Nothing,
     "memlab.track()": lambda: memlab.track("cuda"),
     "memlab.track(breakdown=True)": lambda: memlab.track("cuda", breakdown=True),
+    "the same, by the dispatch mode": DispatchMode,
 }
 
 
@@ -74,7 +113,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.manual_seed(0)
-    models = {"ResNet-18 (torchvision), batch 64": resnet18(), "8-layer MLP, 64 wide": mlp()}
+    models = {
+        "ResNet-18 (torchvision), batch 64": resnet18(),
+        "8-layer MLP, 64 wide": mlp(),
+        "GPT-2 (transformers), 4 layers, 8×256 tokens": gpt2(),
+    }
     lines = header("A breakdown on a GPU (cuda)")
     lines += [
         f"Median wall time of one training step (SGD with momentum), {args.rounds} rounds of 8, "

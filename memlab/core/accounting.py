@@ -21,6 +21,7 @@ from memlab.core._torch import OwnedMode
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.collectives import Collectives, is_collective
+from memlab.core.cuda_names import is_log_pack
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native.objects import HANDED
 from memlab.core.native.roles import native_pack
@@ -138,9 +139,8 @@ class Accountant(Roles):
         self._stack.callback(quiet_compile_hooks())
         self._stack.callback(self.kv_caches_in())
         on = _torch.saved_tensors_hooks_on()
-        if on is not None and on[0] is native_pack():
-            # a native region with a breakdown is open around this one: its op makes the
-            # aliases here too, so that it logs these savings as well
+        if on is not None and (on[0] is native_pack() or is_log_pack(on[0])):
+            # a native region or a CUDA log is open around this one: its pack makes the aliases
             self._alias = on[0]
         elif on is not None and not isinstance(getattr(on[0], "__self__", None), Accountant):
             # only the top pair applies: memlab's would replace the program's (say, offloading
@@ -245,7 +245,7 @@ class Accountant(Roles):
         packed: torch.Tensor = self._alias(t)
         try:
             self.ledger.saved_by(t, packed)
-            if self._alias is not _DETACH:  # the native record's alias: the ledger has it
+            if self._alias is native_pack():  # the native record's alias: the ledger has it
                 HANDED[packed] = True
         except Exception as e:
             self._error(e)

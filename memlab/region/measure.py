@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
+from memlab.core.cuda_log import CudaLog, for_region
 from memlab.core.devices import Target, resolve
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native.eligible import NativeNotStartedError, eligible
@@ -39,7 +39,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         or ``"all"`` (every CUDA device). CUDA figures come from the caching allocator; other
         devices from exact tensor accounting.
     breakdown: also attribute bytes to categories (parameter, gradient, optimizer state,
-        activation, ...) at the peak and at the end.
+        activation, ...) at the peak and at the end. On one GPU (without a timeline) it is read
+        from the caching allocator's own log, its blocks and workspaces included.
     timeline: also record memory over time (``report.plot()``).
     reset_peak: reset the allocator's peak counter at the start (the default) so the peak is the
         region's own; ``False`` leaves it alone and the peak is "since the last reset".
@@ -83,8 +84,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._ledger = ledger if ledger is not None else default_ledger()
         self._since = check_since(since)
         self._accountant: Accountant | None = None
-        self._recorders: dict[str, Recorder | NativeRegion] = {}
+        self._recorders: dict[str, Recorder | NativeRegion | CudaLog] = {}
         self._native: NativeRegion | None = None
+        #: A breakdown on one CUDA device read from the allocator's log (`memlab.core.cuda_log`).
+        self._log: CudaLog | None = None
         self._cuda: dict[str, CudaRegion] = {}
         self._state = "new"
         self._overlapped: list[str] = []
@@ -110,9 +113,13 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 # accountant only to learn what `watch` and `inputs` name, never installed;
                 # with one, the record's own hooks learn roles: `since` needs the dispatch mode)
                 native = self._native_eligible() and not (keep and self._since)
-                if not native or (not keep and (self._watch or self._inputs)):
+                wanted = self.breakdown and not (self.timeline or self._since)
+                log = for_region(self.targets, wanted, self._watched, lambda: _alive(self._inputs))
+                if log is not None:  # a breakdown on one GPU: the allocator's log
+                    self._log = self._recorders[log.device] = log
+                elif not native or (not keep and (self._watch or self._inputs)):
                     self._new_accountant()
-                if not (native and self._start_native(keep)):
+                if self._log is None and not (native and self._start_native(keep)):
                     acc = self._accountant or self._new_accountant()
                     for target in self.targets:
                         self._recorders[target.name] = Recorder(
@@ -121,6 +128,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             for target in self.targets:
                 if target.index is not None:
                     self._cuda[target.name] = CudaRegion(target.index, self.reset_peak)
+            if self._log is not None:  # (started before the counters are read)
+                self._log.counters = self._cuda[self._log.device]
             if self._recorders and self._native is None:
                 hand_over_open()  # a native region open around this one: the ledger first
             for rec in self._recorders.values():
@@ -234,12 +243,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             self._accountant.mark(t, category)
         elif self._native is not None and self._native.roles is not None:
             self._native.roles.mark(t, category)
+        elif self._log is not None:
+            self._log.mark(t, category)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Label the region's events inside the block as phase ``name`` ("prefill" or "decode":
-        a generation's prompt read at once, then its tokens one at a time) in the timeline,
-        where they would say "forward" or "other"; a backward or an optimizer step inside
-        keeps its own. Blocks nest; the innermost label applies."""
+        """Label the timeline's events inside the block ``name``, "prefill" (a prompt read at
+        once) or "decode" (tokens one at a time), where they would say "forward" or "other"."""
         return labelled(self._accountant, self._native, name)
 
     def _watched(self) -> Iterable[Any]:
@@ -258,10 +267,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
 
     @property
     def lost(self) -> int:
-        """How many ops the tensor accounting failed to take in (their bytes may be missing
-        from the figures; the report's notes say why); 0 without accounting."""
-        native = self._native.lost if self._native is not None else 0
-        return native + (self._accountant.lost if self._accountant is not None else 0)
+        """Ops (or names) the accounting failed to take in; the report's notes say why."""
+        parts = (self._native, self._log, self._accountant)
+        return sum(p.lost for p in parts if p is not None)
 
     @property
     def report(self) -> MemoryReport:
@@ -280,7 +288,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             raised=raised,
             notes=[
                 *(acc.errors if acc else ()),
-                *(self._native.notes if self._native else ()),
+                *(n for r in (self._native, self._log) if r is not None for n in r.notes),
                 *self._overlapped,
             ],
             timeline=self.timeline,
@@ -288,5 +296,5 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         )
 
 
-def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
+def _alive(refs: list[Any]) -> list[Any]:
     return [o for o in (r() for r in refs) if o is not None]

@@ -1,0 +1,259 @@
+"""A CUDA region's breakdown from the caching allocator's own log: no Python of memlab's per op.
+
+``CudaLog`` stands in for a `memlab.core.recorder.Recorder` (start, set_origin, stop, tally)
+for one CUDA device, where a region asks for a breakdown (not a timeline). While it is open:
+
+* the caching allocator records its history (`torch.cuda.memory._record_memory_history`,
+  without stack frames, only its allocations and frees where PyTorch can leave the rest out):
+  every block it hands out and takes back is logged in C++, whatever runs (eager ops, compiled
+  code, library kernels, their workspaces);
+* a few hooks name addresses at known moments (`memlab.core.cuda_names`): each tensor autograd
+  saves, the gradients an optimizer is about to use, the inputs of a module called at the top,
+  what a Hugging Face cache holds;
+* at the end one snapshot gives the log and the blocks alive, and the modules called at the
+  top, the optimizers that stepped and the objects watched name what is alive (parameters,
+  buffers, gradients, state).
+
+`memlab.core.cuda_trace.settle` then replays the log once. The figures are the allocator's
+blocks, its rounding and the libraries' workspaces included: at the end they add up to
+``memory_allocated()`` to the byte. Where the log cannot be used (the program records the
+history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mode measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import optimizer as optim_module
+
+from memlab.core import _torch, kv_caches, transforms
+from memlab.core._torch_record import cuda_history_on, start_cuda_log
+from memlab.core.categories import Category
+from memlab.core.cuda_names import Names
+from memlab.core.cuda_trace import active_blocks, settle
+from memlab.core.native.roles import native_pack
+from memlab.core.older_graphs import unpack as _unpack
+from memlab.core.recorder import Tally
+from memlab.core.warn import quiet_compile_hooks
+
+ENV = "MEMLAB_CUDA_LOG"
+#: Events the allocator keeps for a region; past them it drops the oldest (the report says so).
+MAX_EVENTS = 4_000_000
+_lock = threading.Lock()
+_OPEN: list[CudaLog] = []
+_ROLES = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.BUFFER)
+
+
+def is_accountant_pack(hook: Any) -> bool:
+    from memlab.core.accounting import Accountant  # (it imports this module's neighbours)
+
+    return isinstance(getattr(hook, "__self__", None), Accountant)
+
+
+def _now() -> float:
+    return time.time_ns() / 1000
+
+
+def why_not() -> str | None:
+    """None where a region can read the allocator's log now, else why not."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{ENV}=0"
+    if not torch.cuda.is_initialized():
+        return "CUDA is not initialised yet"
+    on = cuda_history_on()
+    if on is None:
+        return "this PyTorch cannot say whether the allocator records its history"
+    if on:
+        return "the program records the allocator's history itself"
+    if _OPEN:
+        return "another region reads the allocator's log"
+    return None
+
+
+class CudaLog:
+    """One CUDA region's breakdown, read from the allocator's log (see the module's text)."""
+
+    def __init__(self, index: int, device: str) -> None:
+        self.index, self.device = index, device
+        self.notes: list[str] = []
+        self.names = Names()
+        #: What the region watches (`memlab.track`'s ``watch``), named at the end.
+        self.watched: Callable[[], Iterable[Any]] = tuple
+        #: The tensors to count as the region's inputs (`memlab.track`'s ``inputs``).
+        self.inputs: Callable[[], Iterable[torch.Tensor]] = tuple
+        #: The region's `memlab.core.cuda.CudaRegion`: the allocator's figure at the start.
+        self.counters: Any = None
+        self._stack = contextlib.ExitStack()
+        self._events: list[dict[str, Any]] | None = None
+        self._blocks: list[tuple[int, int]] = []
+        self._t0 = 0.0
+        self._state = "new"
+
+    # -- the region -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the log and the hooks (the log was claimed for this region by `for_region`)."""
+        self._t0 = _now()
+        try:
+            start_cuda_log(MAX_EVENTS)
+        except Exception as e:  # the region goes on without a breakdown, and says why
+            self.notes.append(f"no breakdown: the allocator's history did not start ({e})")
+            return
+        self._state = "open"
+        try:
+            self._install()
+            for t in self.inputs():
+                self.mark(t, Category.INPUT)
+        except BaseException:
+            self.stop()
+            raise
+
+    def set_origin(self, t0: float) -> None:
+        pass
+
+    @property
+    def lost(self) -> int:
+        return self.names.lost
+
+    def mark(self, t: torch.Tensor, category: Category) -> None:
+        self.names.mark(t, category)
+
+    def _install(self) -> None:
+        handle = optim_module.register_optimizer_step_pre_hook(self.names.optimizer_pre)
+        self._stack.callback(handle.remove)
+        self._stack.callback(quiet_compile_hooks())
+        self.names.arm()
+        self._stack.callback(self.names.disarm)
+        naming = kv_caches.naming(self.names.mark)
+        naming.__enter__()
+        self._stack.callback(naming.__exit__, None, None, None)
+        on = _torch.saved_tensors_hooks_on()
+        if on is not None and (on[0] is native_pack() or is_accountant_pack(on[0])):
+            self.names.alias = on[0]  # memlab's region around this one tags what is saved too
+        elif on is not None:  # the program's own pair stays in force (offloading, say)
+            self.notes.append(
+                "activations not named: the program's own saved_tensors_hooks are in force"
+            )
+            return
+        try:
+            _torch.push_saved_tensors_hooks(self.names.pack, _unpack)
+        except RuntimeError as e:  # saved-tensor hooks disabled by the program
+            self.notes.append(f"activations not named: {e}")
+            return
+        self._stack.callback(self._remove_pack)
+        transforms.install(self.names.pack, _unpack, self._stepped_aside)
+
+    def _remove_pack(self) -> None:
+        transforms.uninstall(self.names.pack)
+        if not _torch.remove_saved_tensors_hooks(self.names.pack):
+            self.notes.append("memlab's saved_tensors_hooks were removed by other code")
+
+    def _stepped_aside(self) -> None:
+        said = "what autograd saved under torch.func (its hooks stepped aside) is not named"
+        if said not in self.notes:
+            self.notes.append(said)
+
+    def stop(self) -> None:
+        """Takes the hooks off, reads the log and stops it (once; again does nothing)."""
+        if self._state == "stopped":
+            return
+        try:
+            self._stack.close()
+        finally:
+            try:
+                if self._state == "open":
+                    self._read()
+            finally:
+                self._state = "stopped"
+                with _lock:
+                    if self in _OPEN:
+                        _OPEN.remove(self)
+        if self._events is not None:
+            try:
+                watched = list(self.watched())
+            except Exception:  # the watch function raised: the objects that ran still name
+                watched = []
+            self.names.at_end(watched)
+
+    def _read(self) -> None:
+        try:
+            if not cuda_history_on():
+                self.notes.append(
+                    "no breakdown: other code turned the allocator's history off inside the region"
+                )
+                return
+            snap = _torch.memory_snapshot()
+        finally:
+            _torch.record_memory_history(False)
+        traces = snap.get("device_traces") or []
+        events = traces[self.index] if self.index < len(traces) else []
+        if len(events) >= MAX_EVENTS:
+            self.notes.append(
+                f"the allocator kept only its last {MAX_EVENTS:,} events of the region: the "
+                "peak and the breakdown may miss what came before them"
+            )
+        t0 = self._t0 - 1000
+        if events and events[0].get("time_us", t0) < t0:  # an earlier recording's (2.4 kept them)
+            events = [e for e in events if e.get("time_us", t0) >= t0]
+        self._events = events
+        self._blocks = active_blocks(snap, self.index)
+
+    # -- results --------------------------------------------------------------------------------
+    def tally(self, breakdown: bool, used: Any = ()) -> Tally:
+        before = int(self.counters.start.allocated) if self.counters is not None else 0
+        if self._events is None:
+            return Tally(before, before, before, None, None, None, None, None, None)
+        s = settle(self._events, before, self._blocks, self.names.named)
+        self.names.named = []
+
+        def every(values: dict[Category, int]) -> dict[Category, int]:
+            return {c: values.get(c, 0) for c in Category if c is not Category.UNATTRIBUTED}
+
+        return Tally(
+            before=before,
+            after=s.end,
+            peak=s.peak,
+            at_peak=every(s.at_peak),
+            at_end=every(s.at_end),
+            highest=every(s.highest),
+            times=None,
+            totals=None,
+            phases=None,
+        )
+
+
+def for_region(
+    targets: list[Any],
+    wanted: bool,
+    watched: Callable[[], Iterable[Any]],
+    inputs: Callable[[], Iterable[torch.Tensor]],
+) -> CudaLog | None:
+    """The log for a region on ``targets`` where ``wanted`` (a breakdown without a timeline or
+    ``since``), it has one CUDA device and the log can be read now (`why_not`); else None."""
+    one = targets[0] if len(targets) == 1 else None
+    if not wanted or one is None or one.index is None:
+        return None
+    with _lock:  # claimed here: two threads' regions never both find the log free
+        if why_not() is not None:
+            return None
+        log = CudaLog(one.index, one.name)
+        _OPEN.append(log)
+    log.watched, log.inputs = watched, inputs
+    return log
+
+
+def _in_child() -> None:
+    # a forked child inherits the open region's hooks (nobody reads what they would name)
+    for log in list(_OPEN):
+        with contextlib.suppress(Exception):
+            log._stack.close()
+    _OPEN.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_in_child)

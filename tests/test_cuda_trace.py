@@ -1,0 +1,186 @@
+"""The breakdown read from the CUDA allocator's log (`memlab.core.cuda_trace`), on the CPU:
+settled from logs recorded on a GPU (tests/data/gpu-breakdown-*.json.gz, written by
+benchmarks/bench_gpu_trace_route.py on an H200, torch 2.11) against the allocator's own
+counters and the dispatch mode's breakdown of the same step, and from small logs made here."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memlab.core.categories import Category
+from memlab.core.cuda_log import ENV, for_region, why_not
+from memlab.core.cuda_trace import active_blocks, rounded, settle
+from memlab.core.devices import resolve
+
+DATA = Path(__file__).parent / "data"
+CASES = ["resnet18", "mlp", "gpt2"]
+
+
+def recorded(case: str) -> dict[str, Any]:
+    with gzip.open(DATA / f"gpu-breakdown-{case}.json.gz", "rt") as f:
+        return json.load(f)  # type: ignore[no-any-return]
+
+
+def settled(d: dict[str, Any]) -> Any:
+    named = [(a, w, Category(c)) for a, w, c in d["named"]]
+    return settle(d["events"], d["before"], [tuple(b) for b in d["active_at_end"]], named)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_recorded_log_ends_at_the_allocators_figure_and_peaks_just_under_it(case: str) -> None:
+    d = recorded(case)
+    s = settled(d)
+    truth = d["allocator"]  # max_memory_allocated() and memory_allocated() around the step
+    assert s.end == truth["end"] == sum(s.at_end.values())
+    # the log gives requested sizes: a large block the allocator kept whole holds a little more
+    assert truth["peak"] * 0.995 <= s.peak <= truth["peak"]
+    assert sum(s.at_peak.values()) == s.peak
+    assert s.unplaced <= len(d["named"]) // 20
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_saved_tensors_and_gradients_match_the_dispatch_modes_breakdown(case: str) -> None:
+    d = recorded(case)
+    s = settled(d)
+    other = {Category(k): v for k, v in d["dispatch_mode"]["at_peak"].items()}
+    blocks = s.blocks
+    # the dispatch mode counts tensor bytes; the log counts blocks, each at most 511 B more
+    saved = other[Category.ACTIVATION] + other[Category.KV_CACHE]  # (a cache is saved too)
+    assert 0 <= s.at_peak.get(Category.ACTIVATION, 0) - saved <= 511 * blocks
+    grads = other[Category.GRADIENT]
+    assert 0 <= s.at_peak.get(Category.GRADIENT, 0) - grads <= 511 * blocks
+    assert s.at_peak.get(Category.INPUT, 0) == other[Category.INPUT]
+    # nothing of the step's is left at its end but what lasts (zero_grad freed the gradients)
+    assert set(s.at_end) <= {
+        Category.PARAMETER,
+        Category.BUFFER,
+        Category.OPTIMIZER_STATE,
+        Category.INPUT,
+        Category.OTHER,
+    }
+
+
+def test_the_resnet_log_names_what_the_dispatch_mode_leaves_unattributed() -> None:
+    d = recorded("resnet18")
+    s = settled(d)
+    other = {Category(k): v for k, v in d["dispatch_mode"]["at_peak"].items()}
+    # cuDNN's and cuBLAS's workspaces come through the caching allocator: the log sees them
+    # (temporary while the step runs, other for the workspace kept from before)
+    assert other[Category.UNATTRIBUTED] > 100 * 2**20
+    named = s.at_peak[Category.TEMPORARY] + s.at_peak[Category.OTHER]
+    assert named > other[Category.TEMPORARY] + 0.9 * other[Category.UNATTRIBUTED]
+
+
+def ev(action: str, addr: int, size: int, t: float) -> dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "time_us": t}
+
+
+def test_roles_by_moment_priority_and_what_is_left() -> None:
+    events = [
+        ev("alloc", 100, 512, 10),  # a temporary
+        ev("alloc", 200, 1000, 20),  # saved for backward (rounded to 1024)
+        ev("free_requested", 100, 512, 30),
+        ev("alloc", 100, 512, 40),  # the same address again: a gradient
+        ev("free_requested", 200, 1000, 50),
+        ev("alloc", 300, 4096, 60),  # named twice: the stronger role wins
+    ]
+    named = [
+        (200, 25.0, Category.ACTIVATION),
+        (100, 45.0, Category.GRADIENT),
+        (300, 61.0, Category.ACTIVATION),
+        (300, None, Category.PARAMETER),
+        (999, 70.0, Category.INPUT),  # no block there: not placed
+    ]
+    s = settle(events, 2048, [(900, 2048), (100, 512), (300, 4096)], named)
+    assert s.unplaced == 1 and s.blocks == 4
+    at_end = {Category.OTHER: 2048, Category.GRADIENT: 512, Category.PARAMETER: 4096}
+    assert s.at_end == s.at_peak == at_end and s.end == s.peak == 6656
+    assert s.highest[Category.TEMPORARY] == 512 and s.highest[Category.ACTIVATION] == 1024
+
+
+def test_an_older_block_kept_whole_is_freed_at_its_full_size() -> None:
+    # before: a block of 2048 B handed out for 1000 B (kept whole), and 512 B that stay
+    events = [ev("free_requested", 500, 1000, 10), ev("alloc", 600, 100, 20)]
+    s = settle(events, 2560, [(700, 512), (600, 512)], [(700, None, Category.PARAMETER)])
+    assert s.end == 1024 and s.at_end == {Category.PARAMETER: 512, Category.TEMPORARY: 512}
+    assert s.peak == 2560  # the start: the freed block counted at its full 2048 B
+
+
+def test_clocks_a_little_apart_still_place_a_name() -> None:
+    events = [ev("alloc", 100, 512, 1000.0), ev("free_requested", 100, 512, 2000.0)]
+    early = settle(events, 0, [], [(100, 995.0, Category.ACTIVATION)])  # 5 µs before its alloc
+    assert early.unplaced == 0 and early.highest[Category.ACTIVATION] == 512
+    late = settle(events, 0, [], [(100, 2100.0, Category.ACTIVATION)])  # well after its free
+    assert late.unplaced == 1
+
+
+def test_rounding_and_active_blocks() -> None:
+    assert [rounded(n) for n in (0, 1, 512, 513, 1024)] == [512, 512, 512, 1024, 1024]
+    snapshot = {
+        "segments": [
+            {
+                "device": 0,
+                "address": 4096,
+                "blocks": [
+                    {"size": 1024, "state": "active_allocated"},
+                    {"size": 512, "state": "inactive"},
+                    {"size": 2048, "state": "active_allocated"},
+                ],
+            },
+            {
+                "device": 1,
+                "address": 1 << 20,
+                "blocks": [{"size": 512, "state": "active_allocated"}],
+            },
+        ]
+    }
+    assert active_blocks(snapshot, 0) == [(4096, 1024), (4096 + 1536, 2048)]
+
+
+def test_the_log_is_not_used_without_a_gpu_or_when_turned_off(monkeypatch: Any) -> None:
+    assert for_region(resolve("cpu"), True, tuple, tuple) is None
+    monkeypatch.setenv(ENV, "0")
+    assert why_not() == f"{ENV}=0"
+
+
+def test_only_the_call_at_the_top_goes_through_a_global_module_hook() -> None:
+    import torch
+    from torch.nn.modules import module as nn_module
+
+    from memlab.core.cuda_names import Names
+
+    seen_inside: list[int] = []
+
+    class Probe(torch.nn.Module):
+        fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen_inside.append(len(nn_module._global_forward_pre_hooks))
+            if self.fail:
+                raise ValueError("never")
+            return x * 2
+
+    probe = Probe()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), probe)
+    before = len(nn_module._global_forward_pre_hooks)
+    names = Names()
+    names.arm()
+    model(torch.randn(2, 4))
+    model(torch.randn(2, 4))
+    # inside the model's forward no global hook is in force (the fast path), and it is back after
+    assert seen_inside == [before, before]
+    assert len(nn_module._global_forward_pre_hooks) == before + 1
+    probe.fail = True
+    with pytest.raises(ValueError, match="never"):
+        model(torch.randn(2, 4))
+    assert len(nn_module._global_forward_pre_hooks) == before + 1  # put back after a raise too
+    names.disarm()
+    assert len(nn_module._global_forward_pre_hooks) == before
+    assert not model._forward_hooks
+    names.at_end([])
+    assert names.named == []  # (CPU tensors name no CUDA block)
