@@ -43,8 +43,10 @@ from memlab.core.recorder import Tally
 from memlab.core.warn import quiet_compile_hooks
 
 ENV = "MEMLAB_CUDA_LOG"
-#: Events the allocator keeps for a region; past them it drops the oldest (the report says so).
-MAX_EVENTS = 4_000_000
+#: Events the allocator keeps for a region (about 100 bytes each in C++, and a Python dict each
+#: when read back: a long training loop in one cell would cost seconds); past them it drops
+#: the oldest, and the report says the breakdown may miss an earlier peak.
+MAX_EVENTS = 500_000
 _lock = threading.Lock()
 _OPEN: list[CudaLog] = []
 _ROLES = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.BUFFER)
