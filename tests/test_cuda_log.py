@@ -11,7 +11,7 @@ from torch import nn
 
 import memlab
 from memlab import Category
-from memlab.core import _torch, cuda_log
+from memlab.core import _torch, cuda_claim
 
 pytestmark = pytest.mark.cuda
 
@@ -39,7 +39,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
 
 
 def breakdown_of(model: Any, opt: Any, x: Any, log: bool, monkeypatch: Any) -> Any:
-    monkeypatch.setenv(cuda_log.ENV, "1" if log else "0")
+    monkeypatch.setenv(cuda_claim.ENV, "1" if log else "0")
     with memlab.track("cuda", breakdown=True) as t:
         step(model, opt, x)
     assert (t._log is not None) == log

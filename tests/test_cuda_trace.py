@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from memlab.core.categories import Category
-from memlab.core.cuda_log import ENV, for_region, why_not
+from memlab.core.cuda_claim import ENV, why_not
+from memlab.core.cuda_log import for_region
 from memlab.core.cuda_trace import active_blocks, rounded, settle
 from memlab.core.devices import resolve
 
@@ -107,7 +108,8 @@ def test_an_older_block_kept_whole_is_freed_at_its_full_size() -> None:
     # before: a block of 2048 B handed out for 1000 B (kept whole), and 512 B that stay
     events = [ev("free_requested", 500, 1000, 10), ev("alloc", 600, 100, 20)]
     s = settle(events, 2560, [(700, 512), (600, 512)], [(700, None, Category.PARAMETER)])
-    assert s.end == 1024 and s.at_end == {Category.PARAMETER: 512, Category.TEMPORARY: 512}
+    # (what the region made and kept, unnamed, is "other", as the dispatch mode says)
+    assert s.end == 1024 and s.at_end == {Category.PARAMETER: 512, Category.OTHER: 512}
     assert s.peak == 2560  # the start: the freed block counted at its full 2048 B
 
 
@@ -184,3 +186,175 @@ def test_only_the_call_at_the_top_goes_through_a_global_module_hook() -> None:
     assert not model._forward_hooks
     names.at_end([])
     assert names.named == []  # (CPU tensors name no CUDA block)
+
+
+def test_a_module_argument_is_an_input_only_where_it_is_from_before_the_region() -> None:
+    # 100: from before (an input); 200: made in the region and passed on (a checkpointed
+    # block's input recomputed in backward): it keeps what it is
+    events = [ev("alloc", 200, 1024, 10), ev("free_requested", 200, 1024, 50)]
+    s = settle(
+        events,
+        512,
+        [(100, 512)],
+        [(200, 15.0, Category.ACTIVATION)],
+        args=[(100, 12.0), (200, 20.0)],
+    )
+    assert s.at_peak == {Category.INPUT: 512, Category.ACTIVATION: 1024}
+
+
+def test_a_graph_from_before_keeps_its_saved_blocks_activations_until_freed() -> None:
+    # 100 and 300: saved by a graph built before the region; backward frees 100 at 30
+    events = [ev("alloc", 200, 512, 10), ev("free_requested", 100, 1024, 30)]
+    named = [(300, 5.0, Category.ACTIVATION)]  # saved again in the region: still activation
+    s = settle(events, 2048, [(300, 1024), (200, 512)], named, saved_before=[100, 300])
+    assert s.at_peak == {Category.ACTIVATION: 2048, Category.OTHER: 512}
+    assert s.at_end == {Category.ACTIVATION: 1024, Category.OTHER: 512}
+
+
+def test_a_saved_block_is_an_activation_until_its_last_saving_ends() -> None:
+    # 100: saved twice, both savings over at 40 and 60 (backward), kept by the program after;
+    # 200: saved once, its saving over at 35, freed at 70; 300: saved, never released
+    events = [
+        ev("alloc", 100, 512, 10),
+        ev("alloc", 200, 512, 11),
+        ev("alloc", 300, 512, 12),
+        ev("alloc", 400, 4096, 50),  # a peak between the two ends of 100's savings
+        ev("free_requested", 400, 4096, 55),
+        ev("free_requested", 200, 512, 70),
+    ]
+    named = [(a, 13.0 + i, Category.ACTIVATION) for i, a in enumerate((100, 100, 200, 300))]
+    unsaved = [(100, 40.0), (200, 35.0), (100, 60.0)]
+    s = settle(events, 0, [(100, 512), (300, 512)], named, unsaved=unsaved)
+    # at the peak 100 is still saved (one saving left), 200 no longer (a temporary now)
+    assert s.at_peak == {
+        Category.ACTIVATION: 1024,
+        Category.TEMPORARY: 4096 + 512,
+    }
+    assert s.at_end == {Category.ACTIVATION: 512, Category.OTHER: 512}
+    assert s.highest[Category.ACTIVATION] == 1536
+
+
+def test_a_log_that_lost_its_start_never_adds_up_above_the_allocator() -> None:
+    # 1 GiB from before freed in the part of the log that was dropped, then 1 GiB for a while
+    gib = 2**30
+    events = [ev("alloc", 500, gib, 10), ev("free_requested", 500, gib, 20)]
+    s = settle(events, gib, [], [], complete=False)
+    assert s.peak == gib and s.end == 0
+    whole = settle(events, gib, [], [])  # (had the log been whole, the start would count)
+    assert whole.peak == 2 * gib
+
+
+def test_a_log_missing_a_free_is_found_out() -> None:
+    # the log says 100 is alive at the end; the allocator does not hold it
+    s = settle([ev("alloc", 100, 512, 10)], 0, [], [])
+    assert s.missing == 1
+    assert settle([ev("alloc", 100, 512, 10)], 0, [(100, 512)], []).missing == 0
+
+
+def test_the_lifetime_that_holds_the_moment_wins_over_one_begun_just_after() -> None:
+    # 100 is freed at 100 and handed out again at 110: a name at 95 is the first block's
+    events = [
+        ev("alloc", 100, 512, 0),
+        ev("free_requested", 100, 512, 100),
+        ev("alloc", 100, 1024, 110),
+        ev("free_requested", 100, 1024, 500),
+    ]
+    s = settle(events, 0, [], [(100, 95.0, Category.GRADIENT)])
+    assert s.highest.get(Category.GRADIENT) == 512
+    assert s.highest.get(Category.TEMPORARY) == 1024
+
+
+class FakeAllocator:
+    """The seam's CUDA calls, answered as a GPU would, for the log's plumbing on a CPU."""
+
+    def __init__(self, monkeypatch: Any, events: list[dict[str, Any]], alive: list[Any]) -> None:
+        from memlab.core import _torch, cuda_claim, cuda_log
+
+        self.on = False
+        self.events, self.alive = events, alive
+        self.reads = 0
+        monkeypatch.setattr(cuda_claim.torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda_claim, "cuda_history_on", lambda: self.on)
+        monkeypatch.setattr(cuda_log, "cuda_history_on", lambda: self.on)
+        monkeypatch.setattr(cuda_log, "start_cuda_log", self.start)
+        monkeypatch.setattr(_torch, "record_memory_history", self.record)
+        monkeypatch.setattr(_torch, "memory_snapshot", self.snapshot)
+
+    def start(self, n: int) -> None:
+        self.on = True
+
+    def record(self, on: bool = True, max_entries: int = 0) -> None:
+        self.on = on
+
+    def snapshot(self) -> dict[str, Any]:
+        self.reads += 1
+        blocks = [{"size": size, "state": "active_allocated"} for _, size in self.alive]
+        segments = [
+            {"device": 0, "address": addr, "blocks": [b]}
+            for (addr, _), b in zip(self.alive, blocks, strict=True)
+        ]
+        return {"device_traces": [self.events], "segments": segments}
+
+
+class Target:
+    index, name = 0, "cuda:0"
+
+
+class Counters:
+    class start:  # noqa: N801
+        allocated = 0
+
+
+def opened(monkeypatch: Any, events: list[Any], alive: list[Any]) -> tuple[Any, FakeAllocator]:
+    fake = FakeAllocator(monkeypatch, events, alive)
+    log = for_region([Target()], True, tuple, tuple)
+    assert log is not None
+    log.counters = Counters()
+    log.start()
+    return log, fake
+
+
+def test_the_log_is_claimed_once_and_given_back_after_an_interrupted_close(
+    monkeypatch: Any,
+) -> None:
+    from memlab.core import cuda_claim
+
+    events = [ev("alloc", 100, 512, 1e18), ev("alloc", 200, 1024, 1e18 + 1)]
+    log, fake = opened(monkeypatch, events, [(100, 512), (200, 1024)])
+    assert fake.on and for_region([Target()], True, tuple, tuple) is None  # one at a time
+    assert cuda_claim.why_not() == "the program records the allocator's history itself"
+    calls = {"n": 0}
+    real = log.names.at_end
+
+    def interrupted(watched: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        real(watched)
+
+    monkeypatch.setattr(log.names, "at_end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        log.stop()
+    assert not fake.on and not cuda_claim._OPEN  # history off and the log given back
+    log.stop()  # tried again: the naming goes on, the log is not read twice
+    assert calls["n"] == 2 and fake.reads == 1
+    t = log.tally(True)
+    assert t.at_end is not None and t.at_end[Category.OTHER] == 1536
+
+
+def test_a_log_restarted_inside_the_region_gives_no_breakdown(monkeypatch: Any) -> None:
+    # the log holds 100 alive; the allocator does not: other code restarted the history
+    log, _ = opened(monkeypatch, [ev("alloc", 100, 512, 1e18)], [])
+    log.stop()
+    t = log.tally(True)
+    assert t.at_peak is None and any("not the region's whole" in n for n in log.notes)
+
+
+def test_a_child_forked_while_the_log_is_open_leaves_it_alone(monkeypatch: Any) -> None:
+    from memlab.core import cuda_claim
+
+    log, fake = opened(monkeypatch, [], [])
+    cuda_claim._in_child()  # (what os.fork's handler runs in the child)
+    assert not cuda_claim._OPEN
+    log.stop()  # no CUDA call in the child
+    assert fake.reads == 0

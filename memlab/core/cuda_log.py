@@ -23,8 +23,6 @@ history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mo
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,23 +30,21 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optim_module
 
-from memlab.core import _torch, kv_caches, transforms
+from memlab.core import _torch, cuda_claim, kv_caches, older_graphs, transforms
 from memlab.core._torch_record import cuda_history_on, start_cuda_log
 from memlab.core.categories import Category
 from memlab.core.cuda_names import Names
 from memlab.core.cuda_trace import active_blocks, settle
+from memlab.core.ledger import default_ledger
 from memlab.core.native.roles import native_pack
 from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Tally
 from memlab.core.warn import quiet_compile_hooks
 
-ENV = "MEMLAB_CUDA_LOG"
 #: Events the allocator keeps for a region (about 100 bytes each in C++, and a Python dict each
 #: when read back: a long training loop in one cell would cost seconds); past them it drops
 #: the oldest, and the report says the breakdown may miss an earlier peak.
 MAX_EVENTS = 500_000
-_lock = threading.Lock()
-_OPEN: list[CudaLog] = []
 _ROLES = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.BUFFER)
 
 
@@ -60,22 +56,6 @@ def is_accountant_pack(hook: Any) -> bool:
 
 def _now() -> float:
     return time.time_ns() / 1000
-
-
-def why_not() -> str | None:
-    """None where a region can read the allocator's log now, else why not."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"{ENV}=0"
-    if not torch.cuda.is_initialized():
-        return "CUDA is not initialised yet"
-    on = cuda_history_on()
-    if on is None:
-        return "this PyTorch cannot say whether the allocator records its history"
-    if on:
-        return "the program records the allocator's history itself"
-    if _OPEN:
-        return "another region reads the allocator's log"
-    return None
 
 
 class CudaLog:
@@ -96,27 +76,58 @@ class CudaLog:
         self._blocks: list[tuple[int, int]] = []
         self._t0 = 0.0
         self._state = "new"
+        self._complete = True
+        #: Blocks graphs from before the region hold saved (their addresses).
+        self._saved_before: list[int] = []
 
     # -- the region -----------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the log and the hooks (the log was claimed for this region by `for_region`)."""
         self._t0 = _now()
+        self._state = "starting"  # (a Ctrl-C from here on still stops the history)
         try:
             start_cuda_log(MAX_EVENTS)
         except Exception as e:  # the region goes on without a breakdown, and says why
             self.notes.append(f"no breakdown: the allocator's history did not start ({e})")
+            self._state = "failed"
             return
         self._state = "open"
         try:
             self._install()
             for t in self.inputs():
                 self.mark(t, Category.INPUT)
+            self._saved_before = self._older_graphs()
         except BaseException:
             self.stop()
             raise
 
+    def _older_graphs(self) -> list[int]:
+        """The blocks graphs from before the region hold saved (`memlab.core.older_graphs`):
+        activations until backward frees them (a cell after the cell of its forward)."""
+        try:
+            outputs = [
+                o
+                for o in self.watched()
+                if issubclass(type(o), torch.Tensor) and o.grad_fn is not None
+            ]
+        except Exception:  # the watch function raised: the region goes on without them
+            return []
+        if not outputs:
+            return []
+        self.notes.extend(older_graphs.saved_by_older_graphs(outputs, default_ledger()))
+        return [
+            st.data_ptr()
+            for st in older_graphs.storages_saved_by(outputs)
+            if st.device.type == "cuda"
+        ]
+
     def set_origin(self, t0: float) -> None:
         pass
+
+    def forked(self) -> None:
+        """In a child forked while the region was open: its hooks off, and no CUDA call."""
+        self._state, self._events = "named", None
+        self._stack.close()
 
     @property
     def lost(self) -> int:
@@ -161,26 +172,27 @@ class CudaLog:
             self.notes.append(said)
 
     def stop(self) -> None:
-        """Takes the hooks off, reads the log and stops it (once; again does nothing)."""
-        if self._state == "stopped":
-            return
-        try:
-            self._stack.close()
-        finally:
+        """Takes the hooks off, reads the log and stops it, then names what the objects hold
+        (each step once: a close tried again after a Ctrl-C goes on where it stopped)."""
+        if self._state not in ("stopped", "named"):
             try:
-                if self._state == "open":
-                    self._read()
+                self._stack.close()
             finally:
-                self._state = "stopped"
-                with _lock:
-                    if self in _OPEN:
-                        _OPEN.remove(self)
-        if self._events is not None:
+                try:
+                    if self._state == "open":
+                        self._read()
+                    elif self._state == "starting" and cuda_history_on():
+                        _torch.record_memory_history(False)
+                finally:
+                    self._state = "stopped"
+                    cuda_claim.release(self)
+        if self._state == "stopped" and self._events is not None:
             try:
                 watched = list(self.watched())
             except Exception:  # the watch function raised: the objects that ran still name
                 watched = []
             self.names.at_end(watched)
+        self._state = "named"
 
     def _read(self) -> None:
         try:
@@ -194,7 +206,8 @@ class CudaLog:
             _torch.record_memory_history(False)
         traces = snap.get("device_traces") or []
         events = traces[self.index] if self.index < len(traces) else []
-        if len(events) >= MAX_EVENTS:
+        self._complete = len(events) < MAX_EVENTS
+        if not self._complete:
             self.notes.append(
                 f"the allocator kept only its last {MAX_EVENTS:,} events of the region: the "
                 "peak and the breakdown may miss what came before them"
@@ -210,8 +223,25 @@ class CudaLog:
         before = int(self.counters.start.allocated) if self.counters is not None else 0
         if self._events is None:
             return Tally(before, before, before, None, None, None, None, None, None)
-        s = settle(self._events, before, self._blocks, self.names.named)
-        self.names.named = []
+        names = self.names
+        s = settle(
+            self._events,
+            before,
+            self._blocks,
+            names.named,
+            args=names.args,
+            saved_before=self._saved_before,
+            unsaved=names.unsaved,
+            complete=self._complete,
+        )
+        names.forget_savings()
+        names.named, names.args, names.unsaved = [], [], []
+        if s.missing:
+            self.notes.append(
+                "no breakdown: the allocator's log is not the region's whole (other code "
+                "restarted its history inside the region)"
+            )
+            return Tally(before, before, before, None, None, None, None, None, None)
 
         def every(values: dict[Category, int]) -> dict[Category, int]:
             return {c: values.get(c, 0) for c in Category if c is not Category.UNATTRIBUTED}
@@ -236,26 +266,13 @@ def for_region(
     inputs: Callable[[], Iterable[torch.Tensor]],
 ) -> CudaLog | None:
     """The log for a region on ``targets`` where ``wanted`` (a breakdown without a timeline or
-    ``since``), it has one CUDA device and the log can be read now (`why_not`); else None."""
+    ``since``), it has one CUDA device and the log can be read now (`cuda_claim.why_not`); else
+    None."""
     one = targets[0] if len(targets) == 1 else None
     if not wanted or one is None or one.index is None:
         return None
-    with _lock:  # claimed here: two threads' regions never both find the log free
-        if why_not() is not None:
-            return None
-        log = CudaLog(one.index, one.name)
-        _OPEN.append(log)
+    log = CudaLog(one.index, one.name)
+    if not cuda_claim.claim(log):  # (two threads' regions never both find the log free)
+        return None
     log.watched, log.inputs = watched, inputs
     return log
-
-
-def _in_child() -> None:
-    # a forked child inherits the open region's hooks (nobody reads what they would name)
-    for log in list(_OPEN):
-        with contextlib.suppress(Exception):
-            log._stack.close()
-    _OPEN.clear()
-
-
-if hasattr(os, "register_at_fork"):  # (POSIX)
-    os.register_at_fork(after_in_child=_in_child)

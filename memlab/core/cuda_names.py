@@ -12,7 +12,9 @@ be read is counted in ``lost`` and never breaks the user's code.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,7 +43,13 @@ class Names:
         self._pre: Any = None
         self._post: Any = None
         self._armed = False
-        self._depth = 0
+        #: The thread the region runs on: another thread's module calls are left alone.
+        self._thread = threading.get_ident()
+        #: (address, moment) of the tensors a module called at the top was given.
+        self.args: list[tuple[int, float]] = []
+        #: (address, moment) where a saving named here ended (its alias died).
+        self.unsaved: list[tuple[int, float]] = []
+        self._aliases: set[weakref.ref[torch.Tensor]] = set()
         #: What makes a saved tensor's alias: a detached one (``t`` itself would tie a saved
         #: output to its own grad_fn in a cycle that even gc cannot free), or the pack hook of
         #: memlab's region open around this one.
@@ -64,19 +72,35 @@ class Names:
             self.lost += 1
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        alias = self.alias(t)
         try:
             kind = type(t)
             if kind is torch.Tensor:
                 if t.is_cuda:
                     ptr = t.untyped_storage().data_ptr()
                     self.named.append((ptr, _now(), Category.ACTIVATION))
+                    # the alias dies when autograd lets the saving go (backward, or the graph)
+                    self._aliases.add(weakref.ref(alias, self._ended(ptr)))
             elif kind is torch.nn.Parameter:  # a weight saved for backward is a parameter
                 self.mark(t, Category.PARAMETER)
             else:
                 self.mark(t, Category.ACTIVATION)
         except Exception:  # never the user's backward's problem: its bytes stay unnamed
             self.lost += 1
-        return self.alias(t)  # type: ignore[no-any-return]
+        return alias  # type: ignore[no-any-return]
+
+    def _ended(self, ptr: int) -> Any:
+        unsaved, aliases = self.unsaved, self._aliases
+
+        def ended(ref: weakref.ref[torch.Tensor]) -> None:
+            unsaved.append((ptr, _now()))
+            aliases.discard(ref)
+
+        return ended
+
+    def forget_savings(self) -> None:
+        """Stops following the savings (their weak references go, and with them the calls)."""
+        self._aliases = set()
 
     # -- modules: a global hook for the call at the top only --------------------------------------
     def arm(self) -> None:
@@ -95,15 +119,18 @@ class Names:
         self._pre = self._post = None
 
     def _top_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return  # (another thread's module: it stays armed for the region's own)
         try:
             if self._pre is not None:
                 self._pre.remove()
                 self._pre = None
             self._modules.setdefault(id(module), module)
             self._post = module.register_forward_hook(self._top_post, always_call=True)
+            now = _now()
             for a in args if isinstance(args, tuple) else (args,):
-                if isinstance(a, torch.Tensor):
-                    self.mark(a, Category.INPUT)
+                if type(a) is torch.Tensor and a.is_cuda:
+                    self.args.append((a.untyped_storage().data_ptr(), now))
         except Exception:  # never the user's forward's problem
             self.lost += 1
 

@@ -13,16 +13,12 @@ alive at the end are read from the end's snapshot, exact, so the end's figures a
 allocator's to the byte; at the peak, what a kept-whole remainder adds is left to the report's
 "unattributed" (the allocator's own peak minus the categories).
 
-A block from before the region that the region saved for backward is one of its inputs (what
-the dispatch mode calls a storage from before that the region's ops read), unless a stronger
-role names it (a parameter, a buffer).
-
-A name is placed by time: the log's ``time_us`` (the allocator's clock in Unix microseconds)
-against the hook's ``time.time_ns() / 1000``. A block at one address is handed out again only
-after it was freed, so the lifetime that holds the moment is the one; where the two clocks
-disagree by a few microseconds, the lifetime begun last (give or take ``SLACK_US``) is taken.
-
-Pure: it reads lists and dicts, so a recorded log replays it on any machine.
+A block from before the region that it saved is one of its inputs, unless a stronger role
+names it. A name is placed by time: the log's ``time_us`` (Unix microseconds) against the
+hook's ``time.time_ns() / 1000``; an address is handed out again only after it was freed, so
+the lifetime that holds the moment is the one (with ``SLACK_US`` for clocks a little apart).
+An activation's role ends with its last saving; unnamed, a block is temporary where the region
+freed it, else other. Pure: a recorded log replays it on any machine.
 """
 
 from __future__ import annotations
@@ -43,10 +39,10 @@ _NONE = len(_RANK) + 1
 _TEMPORARY, _OTHER = PRIORITY[Category.TEMPORARY], PRIORITY[Category.OTHER]
 _ACTIVATION, _INPUT = PRIORITY[Category.ACTIVATION], PRIORITY[Category.INPUT]
 
-# A block is a list, for speed: [address, size, moment handed out, moment freed or None, role]
-# (role as a priority: lower wins; _NONE until named). A block from before the region has
-# _NEVER as its start.
-_ADDR, _SIZE, _START, _END, _ROLE = range(5)
+# A block is a list, for speed: [address, size, moment handed out, moment freed or None, role,
+# savings named, live in the replay] (role as a priority: lower wins; _NONE until named). A
+# block from before the region has _NEVER as its start.
+_ADDR, _SIZE, _START, _END, _ROLE, _SAVES, _LIVE = range(7)
 
 
 @dataclasses.dataclass
@@ -64,6 +60,9 @@ class Settled:
     unplaced: int
     #: Blocks handed out in the region.
     blocks: int
+    #: Blocks the log holds alive at the end that the allocator does not: the log is not the
+    #: region's whole (other code restarted the allocator's history inside it).
+    missing: int = 0
 
 
 def rounded(size: int) -> int:
@@ -76,24 +75,33 @@ def settle(
     before: int,
     active_at_end: Iterable[tuple[int, int]],
     named: Iterable[tuple[int, float | None, Category]],
+    *,
+    args: Iterable[tuple[int, float]] = (),
+    saved_before: Iterable[int] = (),
+    unsaved: Iterable[tuple[int, float]] = (),
+    complete: bool = True,
 ) -> Settled:
     """The region's breakdown. ``events``: the allocator's log of the region, in order (one
-    device's; actions other than ``alloc`` and ``free_requested`` are passed over);
-    ``before``: the allocator's allocated bytes at the start; ``active_at_end``: (address,
-    size) of every block allocated at the end (`active_blocks` of a snapshot); ``named``:
-    (address, moment or None for the end, category) from the hooks and the end's objects."""
+    device's; only ``alloc`` and ``free_requested`` are read); ``before``: the allocator's
+    allocated bytes at the start; ``active_at_end``: (address, size) of each block allocated at
+    the end (`active_blocks`); ``named``: (address, moment or None for the end, category).
+    ``args``: (address, moment) of a module's arguments, inputs where from before the region;
+    ``saved_before``: addresses a graph from before the region holds saved (activations until
+    freed); ``unsaved``: (address, moment) where a saving named an activation ended (a block's
+    role ends with its last); ``complete``: False where the log lost its first events."""
     live: dict[int, list[Any]] = {}
     by_addr: dict[int, list[list[Any]]] = {}
     starts: dict[int, list[float]] = {}
     older: dict[int, list[Any]] = {}
     order: list[list[Any]] = []  # each block at its alloc and again at its free
     signs: list[int] = []
+    times: list[float] = []
     n = 0
     for e in events:
         action = e["action"]
         if action == "alloc":
             addr, t, size = e["addr"], e["time_us"], e["size"]
-            b = [addr, 512 if size < 512 else (size + 511) & ~511, t, None, _NONE]
+            b = [addr, 512 if size < 512 else (size + 511) & ~511, t, None, _NONE, 0, 0]
             live[addr] = b
             mine = by_addr.get(addr)
             if mine is None:
@@ -104,51 +112,75 @@ def settle(
                 starts[addr].append(t)
             order.append(b)
             signs.append(1)
+            times.append(t)
             n += 1
         elif action == "free_requested":
-            addr = e["addr"]
+            addr, t = e["addr"], e["time_us"]
             found = live.pop(addr, None)
             if found is None:  # handed out before the region
-                found = older[addr] = [addr, rounded(e["size"]), _NEVER, None, _NONE]
-            found[_END] = e["time_us"]
-            b = found
-            order.append(b)
+                found = older[addr] = [addr, rounded(e["size"]), _NEVER, None, _NONE, 0, 1]
+            found[_END] = t
+            order.append(found)
             signs.append(-1)
+            times.append(t)
     freed_older = list(older.values())
     exact: dict[int, int] = {}
     for addr, size in active_at_end:
         if addr in live:
             exact[addr] = size
         else:
-            older[addr] = live[addr] = [addr, size, _NEVER, None, _NONE]
+            older[addr] = live[addr] = [addr, size, _NEVER, None, _NONE, 0, 1]
+    missing = sum(1 for addr, b in live.items() if b[_START] != _NEVER and addr not in exact)
     # what the older blocks freed here held beyond their rounded sizes (a kept-whole block)
     known = sum(b[_SIZE] for b in older.values())
-    if before > known and freed_older:
-        max(freed_older, key=lambda b: b[_SIZE])[_SIZE] += before - known
+    extra = before - known if complete and before > known else 0
+    if extra and freed_older:
+        max(freed_older, key=lambda b: b[_SIZE])[_SIZE] += extra
+        extra = 0
 
     unplaced = 0
     for addr, when, category in named:
         at = _at(addr, when, live, by_addr, starts, older)
         if at is None:
             unplaced += 1
-        elif PRIORITY[category] < at[_ROLE]:
-            at[_ROLE] = PRIORITY[category]
+            continue
+        rank = PRIORITY[category]
+        if rank == _ACTIVATION:
+            at[_SAVES] += 1
+        if rank < at[_ROLE]:
+            at[_ROLE] = rank
+    for addr, when in args:
+        at = _at(addr, when, live, by_addr, starts, older)
+        if at is not None and at[_START] == _NEVER and at[_ROLE] > _INPUT:
+            at[_ROLE] = _INPUT
+    kept = set()
+    for addr in saved_before:
+        at = older.get(addr)
+        if at is not None:
+            at[_ROLE] = min(at[_ROLE], _ACTIVATION)
+            kept.add(addr)
     sums = [0] * (_NONE + 1)
     for b in older.values():
         if b[_ROLE] == _NONE:
             b[_ROLE] = _OTHER
-        elif b[_ROLE] == _ACTIVATION:  # saved by the region, from before it: one of its inputs
-            b[_ROLE] = _INPUT
+        elif b[_ROLE] == _ACTIVATION and b[_ADDR] not in kept:
+            b[_ROLE] = _INPUT  # saved by the region, from before it: one of its inputs
         sums[b[_ROLE]] += b[_SIZE]
-    if before > known and not freed_older:
-        sums[_OTHER] += before - known
+    sums[_OTHER] += extra
+    for b in order:  # unnamed: temporary where the region freed it, else other
+        if b[_ROLE] == _NONE:
+            b[_ROLE] = _TEMPORARY if b[_END] is not None else _OTHER
+    ends = _ends(unsaved, live, by_addr, starts, older, times)
+
     total = peak = sum(sums)
     at_peak, highest = list(sums), list(sums)
-    for b, sign in zip(order, signs, strict=True):
+    k = 0
+    for i, (b, sign) in enumerate(zip(order, signs, strict=True)):
+        while k < len(ends) and ends[k][0] <= i:  # savings over by now: the role ends
+            k = _unsave(ends[k][1], sums, k)
         r, size = b[_ROLE], b[_SIZE]
-        if r == _NONE:
-            r = b[_ROLE] = _TEMPORARY
         if sign > 0:
+            b[_LIVE] = 1
             total += size
             v = sums[r] = sums[r] + size
             if v > highest[r]:
@@ -157,11 +189,14 @@ def settle(
                 peak = total
                 at_peak = list(sums)
         else:
+            b[_LIVE] = 0
             total -= size
             sums[r] -= size
+    while k < len(ends):
+        k = _unsave(ends[k][1], sums, k)
     at_end = [0] * (_NONE + 1)
     for addr, b in live.items():
-        at_end[b[_ROLE] if b[_ROLE] != _NONE else _OTHER] += exact.get(addr, b[_SIZE])
+        at_end[b[_ROLE]] += exact.get(addr, b[_SIZE])
     return Settled(
         before=before,
         peak=peak,
@@ -171,7 +206,45 @@ def settle(
         highest=_named(highest),
         unplaced=unplaced,
         blocks=n,
+        missing=missing,
     )
+
+
+def _ends(
+    unsaved: Iterable[tuple[int, float]],
+    live: dict[int, list[Any]],
+    by_addr: dict[int, list[list[Any]]],
+    starts: dict[int, list[float]],
+    older: dict[int, list[Any]],
+    times: list[float],
+) -> list[tuple[int, list[Any]]]:
+    """(place in the replay, block) where the last saving of a block handed out in the region,
+    named an activation, ended: from there it is what it would be unsaved."""
+    last: dict[int, tuple[int, float, list[Any]]] = {}
+    for addr, when in unsaved:
+        b = _at(addr, when, live, by_addr, starts, older)
+        if b is None or b[_START] == _NEVER or b[_ROLE] != _ACTIVATION:
+            continue
+        seen = last.get(id(b))
+        count, latest = (seen[0], seen[1]) if seen is not None else (0, when)
+        last[id(b)] = (count + 1, max(latest, when), b)
+    out = [
+        (bisect.bisect_right(times, when), b)
+        for count, when, b in last.values()
+        if count >= b[_SAVES]
+    ]
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def _unsave(b: list[Any], sums: list[int], k: int) -> int:
+    """Ends ``b``'s saving in the replay (where it is live there) and returns ``k + 1``."""
+    role = _TEMPORARY if b[_END] is not None else _OTHER
+    if b[_LIVE] and b[_ROLE] == _ACTIVATION:
+        sums[_ACTIVATION] -= b[_SIZE]
+        sums[role] += b[_SIZE]
+    b[_ROLE] = role
+    return k + 1
 
 
 def _named(values: Sequence[int]) -> dict[Category, int]:
@@ -186,15 +259,24 @@ def _at(
     starts: dict[int, list[float]],
     older: dict[int, list[Any]],
 ) -> list[Any] | None:
-    """The block at ``addr`` alive at moment ``when`` (None: at the region's end)."""
+    """The block at ``addr`` alive at moment ``when`` (None: at the region's end): the one whose
+    lifetime holds it, else (the two clocks a few microseconds apart) one begun just after it
+    or ended just before it."""
     if when is None:
         return live.get(addr)
     mine = starts.get(addr)
+    i = -1
     if mine is not None:
-        i = bisect.bisect_right(mine, when + SLACK_US) - 1
-        if i >= 0:  # the latest begun by then, unless it was over well before
-            b = by_addr[addr][i]
-            return b if b[_END] is None or b[_END] >= when - SLACK_US else None
+        blocks = by_addr[addr]
+        i = bisect.bisect_right(mine, when) - 1
+        if i >= 0 and (blocks[i][_END] is None or blocks[i][_END] >= when):
+            return blocks[i]
+        j = bisect.bisect_right(mine, when + SLACK_US) - 1
+        if j > i:
+            return blocks[j]
+        if i >= 0:
+            end = blocks[i][_END]
+            return blocks[i] if end is not None and end >= when - SLACK_US else None
     old = older.get(addr)
     if old is not None and (old[_END] is None or old[_END] >= when - SLACK_US):
         return old

@@ -204,6 +204,18 @@ def saved_by_older_graphs(outputs: list[torch.Tensor], ledger: Ledger) -> list[s
     return notes
 
 
+def storages_saved_by(outputs: list[torch.Tensor]) -> list[Any]:
+    """The storages the walks of ``outputs``' graphs found saved, still alive (after
+    `saved_by_older_graphs`; a graph backward released counts no more)."""
+    found: list[Any] = []
+    with _LOCK:
+        for out in outputs:
+            walk = _WALKS.get(out)
+            if walk is not None and walk.token is not None:
+                found.extend(s for s in (r() for r in walk.storages) if s is not None)
+    return found
+
+
 def _look(out: torch.Tensor, ledger: Ledger) -> tuple[_Walk | None, int]:
     """One output's graph: checked against its walk, else walked; the walk and the nodes read."""
     root = out.grad_fn
