@@ -358,3 +358,43 @@ def test_a_child_forked_while_the_log_is_open_leaves_it_alone(monkeypatch: Any) 
     assert not cuda_claim._OPEN
     log.stop()  # no CUDA call in the child
     assert fake.reads == 0
+
+
+def test_the_hooks_name_savings_their_ends_parameters_gradients_and_arguments() -> None:
+    import torch
+
+    from memlab.core import _torch
+    from memlab.core.cuda_names import Names
+    from memlab.core.older_graphs import unpack
+
+    names = Names()
+    names.any_device = True  # (CPU tensors stand in for a GPU's here)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    names.arm()
+    from torch.optim import optimizer as optim_module
+
+    handle = optim_module.register_optimizer_step_pre_hook(names.optimizer_pre)
+    _torch.push_saved_tensors_hooks(names.pack, unpack)
+    try:
+        y = model(x).sigmoid()  # sigmoid saves its output; linear its input and weight
+        y.sum().backward()
+        opt.step()
+    finally:
+        _torch.remove_saved_tensors_hooks(names.pack)
+        handle.remove()
+        names.disarm()
+    ptr = y.untyped_storage().data_ptr()
+    named = {(a, c) for a, _, c in names.named}
+    assert (ptr, Category.ACTIVATION) in named
+    assert (x.untyped_storage().data_ptr(), Category.ACTIVATION) in named  # (an input here)
+    assert (model.weight.grad.untyped_storage().data_ptr(), Category.GRADIENT) in named
+    assert [a for a, _ in names.args] == [x.untyped_storage().data_ptr()]
+    # backward let the savings go: each saving's end is told, after its start
+    saved_at = max(w for a, w, c in names.named if a == ptr and c is Category.ACTIVATION)
+    ends = [w for a, w in names.unsaved if a == ptr]
+    assert ends and min(ends) >= saved_at
+    names.at_end([])  # the module called at the top and the optimizer that stepped
+    for p in (model.weight, model.bias):
+        assert (p.untyped_storage().data_ptr(), None, Category.PARAMETER) in names.named

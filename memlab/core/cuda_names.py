@@ -50,6 +50,8 @@ class Names:
         #: (address, moment) where a saving named here ended (its alias died).
         self.unsaved: list[tuple[int, float]] = []
         self._aliases: set[weakref.ref[torch.Tensor]] = set()
+        #: Names tensors on any device, not only CUDA ones (the tests' CPU tensors).
+        self.any_device = False
         #: What makes a saved tensor's alias: a detached one (``t`` itself would tie a saved
         #: output to its own grad_fn in a cycle that even gc cannot free), or the pack hook of
         #: memlab's region open around this one.
@@ -59,12 +61,12 @@ class Names:
         """Names the block behind ``t`` (now, or at the end where ``when`` is None)."""
         try:
             if type(t) in _PLAIN:
-                if not t.is_cuda:
+                if not (t.is_cuda or self.any_device):
                     return
                 ptr = t.untyped_storage().data_ptr()
             else:  # a subclass: its storage found as the ledger finds it (a DTensor's shard)
                 st = storage_of(t)
-                if st is None or st.device.type != "cuda":
+                if st is None or not (st.device.type == "cuda" or self.any_device):
                     return
                 ptr = st.data_ptr()
             self.named.append((ptr, _now() if when == _NOW else when, category))
@@ -76,7 +78,7 @@ class Names:
         try:
             kind = type(t)
             if kind is torch.Tensor:
-                if t.is_cuda:
+                if t.is_cuda or self.any_device:
                     ptr = t.untyped_storage().data_ptr()
                     self.named.append((ptr, _now(), Category.ACTIVATION))
                     # the alias dies when autograd lets the saving go (backward, or the graph)
@@ -129,7 +131,7 @@ class Names:
             self._post = module.register_forward_hook(self._top_post, always_call=True)
             now = _now()
             for a in args if isinstance(args, tuple) else (args,):
-                if type(a) is torch.Tensor and a.is_cuda:
+                if type(a) is torch.Tensor and (a.is_cuda or self.any_device):
                     self.args.append((a.untyped_storage().data_ptr(), now))
         except Exception:  # never the user's forward's problem
             self.lost += 1
@@ -155,7 +157,7 @@ class Names:
                     g = p.grad
                     if g is None:
                         continue
-                    if type(g) is torch.Tensor and g.is_cuda:
+                    if type(g) is torch.Tensor and (g.is_cuda or self.any_device):
                         add((g.untyped_storage().data_ptr(), now, Category.GRADIENT))
                     else:
                         self.mark(g, Category.GRADIENT)
