@@ -49,7 +49,9 @@ class Names:
         self.args: list[tuple[int, float]] = []
         #: (address, moment) where a saving named here ended (its alias died).
         self.unsaved: list[tuple[int, float]] = []
-        self._aliases: set[weakref.ref[torch.Tensor]] = set()
+        #: Each saving's alias (weakly) and its block's address.
+        self._aliases: dict[weakref.ref[torch.Tensor], int] = {}
+        self._died = self._alias_died  # (one bound method, made once: the weak references' call)
         #: Names tensors on any device, not only CUDA ones (the tests' CPU tensors).
         self.any_device = False
         #: What makes a saved tensor's alias: a detached one (``t`` itself would tie a saved
@@ -82,7 +84,7 @@ class Names:
                     ptr = t.untyped_storage().data_ptr()
                     self.named.append((ptr, _now(), Category.ACTIVATION))
                     # the alias dies when autograd lets the saving go (backward, or the graph)
-                    self._aliases.add(weakref.ref(alias, self._ended(ptr)))
+                    self._aliases[weakref.ref(alias, self._died)] = ptr
             elif kind is torch.nn.Parameter:  # a weight saved for backward is a parameter
                 self.mark(t, Category.PARAMETER)
             else:
@@ -91,18 +93,14 @@ class Names:
             self.lost += 1
         return alias  # type: ignore[no-any-return]
 
-    def _ended(self, ptr: int) -> Any:
-        unsaved, aliases = self.unsaved, self._aliases
-
-        def ended(ref: weakref.ref[torch.Tensor]) -> None:
-            unsaved.append((ptr, _now()))
-            aliases.discard(ref)
-
-        return ended
+    def _alias_died(self, ref: weakref.ref[torch.Tensor]) -> None:
+        ptr = self._aliases.pop(ref, None)
+        if ptr is not None:
+            self.unsaved.append((ptr, _now()))
 
     def forget_savings(self) -> None:
         """Stops following the savings (their weak references go, and with them the calls)."""
-        self._aliases = set()
+        self._aliases = {}
 
     # -- modules: a global hook for the call at the top only --------------------------------------
     def arm(self) -> None:
