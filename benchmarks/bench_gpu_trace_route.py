@@ -1,5 +1,7 @@
 """A breakdown on a GPU from the allocator's own event log: what it costs and what it finds,
-beside the dispatch mode's breakdown (``memlab.track(breakdown=True)``) on the same steps.
+beside the dispatch mode's breakdown (``memlab.track(breakdown=True)``) on the same steps. The
+prototype of `memlab.core.cuda_log` (which `track` now uses), kept as the recorder of the logs
+the CPU tests replay.
 
 The route (`memlab.core.cuda_trace`): the CUDA caching allocator records its events in C++
 (no stack frames); a saved-tensors pack hook and a post-accumulate-grad hook note the
