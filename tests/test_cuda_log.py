@@ -131,3 +131,19 @@ def test_the_magic_reads_the_log(ip: Any) -> None:
     params = 256 * 256 * 4 + 256 * 4  # (whole blocks of 512 B: the allocator's own sizes)
     assert r.breakdown.at_end[Category.PARAMETER] == params
     assert r.breakdown.at_end[Category.GRADIENT] == params
+
+
+def test_a_backward_in_the_cell_after_its_forward_frees_activations() -> None:
+    model, _, x = convnet()
+    with memlab.track("cuda", breakdown=True) as fwd:
+        y = model(x).square().mean()
+    assert fwd._log is not None
+    saved = fwd.report.breakdown.at_end[Category.ACTIVATION]  # type: ignore[union-attr]
+    assert saved > 32 * 64 * 64 * 64 * 4
+    with memlab.track("cuda", breakdown=True, watch=lambda: [y]) as bwd:
+        y.backward()
+    b = bwd.report.breakdown
+    assert bwd._log is not None and b is not None
+    # what the earlier cell's graph saved is counted an activation until backward frees it
+    assert b.highest[Category.ACTIVATION] >= saved
+    assert b.at_end.get(Category.ACTIVATION, 0) < saved // 10

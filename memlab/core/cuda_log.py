@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim import optimizer as optim_module
 
-from memlab.core import _torch, cuda_claim, kv_caches, older_graphs, transforms
+from memlab.core import _torch, cuda_claim, cuda_older, kv_caches, transforms
 from memlab.core._torch_record import cuda_history_on, start_cuda_log
 from memlab.core.categories import Category
-from memlab.core.cuda_names import Names
-from memlab.core.cuda_trace import active_blocks, settle
-from memlab.core.ledger import default_ledger
+from memlab.core.cuda_names import Names, log_unpack
+from memlab.core.cuda_settle import settle
+from memlab.core.cuda_trace import active_blocks
 from memlab.core.native.roles import native_pack
 from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Tally
@@ -77,8 +78,12 @@ class CudaLog:
         self._t0 = 0.0
         self._state = "new"
         self._complete = True
-        #: Blocks graphs from before the region hold saved (their addresses).
+        self._history_ours = False
+        #: Blocks graphs from before the region hold saved (their addresses), the outputs
+        #: behind them (weakly), and those of the blocks no longer saved at the end.
         self._saved_before: list[int] = []
+        self._outputs: list[weakref.ref[torch.Tensor]] = []
+        self._released: set[int] = set()
 
     # -- the region -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -86,6 +91,7 @@ class CudaLog:
         self._t0 = _now()
         self._state = "starting"  # (a Ctrl-C from here on still stops the history)
         try:
+            self._history_ours = True
             start_cuda_log(MAX_EVENTS)
         except Exception as e:  # the region goes on without a breakdown, and says why
             self.notes.append(f"no breakdown: the allocator's history did not start ({e})")
@@ -102,32 +108,19 @@ class CudaLog:
             raise
 
     def _older_graphs(self) -> list[int]:
-        """The blocks graphs from before the region hold saved (`memlab.core.older_graphs`):
-        activations until backward frees them (a cell after the cell of its forward)."""
-        try:
-            outputs = [
-                o
-                for o in self.watched()
-                if issubclass(type(o), torch.Tensor) and o.grad_fn is not None
-            ]
-        except Exception:  # the watch function raised: the region goes on without them
-            return []
-        if not outputs:
-            return []
-        self.notes.extend(older_graphs.saved_by_older_graphs(outputs, default_ledger()))
-        return [
-            st.data_ptr()
-            for st in older_graphs.storages_saved_by(outputs)
-            if st.device.type == "cuda"
-        ]
+        """The blocks graphs from before the region hold saved (`memlab.core.cuda_older`)."""
+        addresses, self._outputs, notes = cuda_older.saved_at_start(self.watched)
+        self.notes.extend(notes)
+        return addresses
 
     def set_origin(self, t0: float) -> None:
         pass
 
     def forked(self) -> None:
         """In a child forked while the region was open: its hooks off, and no CUDA call."""
-        self._state, self._events = "named", None
+        self._state, self._events, self._history_ours = "named", None, False
         self._stack.close()
+        self.names.clear()
 
     @property
     def lost(self) -> int:
@@ -153,13 +146,16 @@ class CudaLog:
                 "activations not named: the program's own saved_tensors_hooks are in force"
             )
             return
+        # (its own unpack hook, unless memlab's region around it tags: a graph built here is
+        # walked by later regions, as one built without memlab is)
+        unpack = _unpack if self.names.alias is not torch.Tensor.detach else log_unpack
         try:
-            _torch.push_saved_tensors_hooks(self.names.pack, _unpack)
+            _torch.push_saved_tensors_hooks(self.names.pack, unpack)
         except RuntimeError as e:  # saved-tensor hooks disabled by the program
             self.notes.append(f"activations not named: {e}")
             return
         self._stack.callback(self._remove_pack)
-        transforms.install(self.names.pack, _unpack, self._stepped_aside)
+        transforms.install(self.names.pack, unpack, self._stepped_aside)
 
     def _remove_pack(self) -> None:
         transforms.uninstall(self.names.pack)
@@ -181,17 +177,23 @@ class CudaLog:
                 try:
                     if self._state == "open":
                         self._read()
-                    elif self._state == "starting" and cuda_history_on():
-                        _torch.record_memory_history(False)
                 finally:
                     self._state = "stopped"
                     cuda_claim.release(self)
-        if self._state == "stopped" and self._events is not None:
-            try:
-                watched = list(self.watched())
-            except Exception:  # the watch function raised: the objects that ran still name
-                watched = []
-            self.names.at_end(watched)
+                    if self._history_ours and cuda_history_on():  # (a Ctrl-C in the read)
+                        with contextlib.suppress(Exception):
+                            _torch.record_memory_history(False)
+        if self._state == "stopped":
+            if self._events is None:
+                self.names.clear()  # (no breakdown: nothing of the user's kept)
+            else:
+                try:
+                    watched = list(self.watched())
+                    cuda_older.known(watched)
+                except Exception:  # the watch function raised: the objects that ran still name
+                    watched = []
+                self.names.at_end(watched)
+                self._released = cuda_older.released(self._outputs, self._saved_before)
         self._state = "named"
 
     def _read(self) -> None:
@@ -201,17 +203,18 @@ class CudaLog:
                     "no breakdown: other code turned the allocator's history off inside the region"
                 )
                 return
-            snap = _torch.memory_snapshot()
+            try:
+                snap = _torch.memory_snapshot()
+            except Exception as e:  # never the user's cell's problem
+                self.notes.append(f"no breakdown: the allocator's log could not be read ({e})")
+                return
         finally:
-            _torch.record_memory_history(False)
+            self._history_ours = False
+            with contextlib.suppress(Exception):
+                _torch.record_memory_history(False)
         traces = snap.get("device_traces") or []
         events = traces[self.index] if self.index < len(traces) else []
         self._complete = len(events) < MAX_EVENTS
-        if not self._complete:
-            self.notes.append(
-                f"the allocator kept only its last {MAX_EVENTS:,} events of the region: the "
-                "peak and the breakdown may miss what came before them"
-            )
         t0 = self._t0 - 1000
         if events and events[0].get("time_us", t0) < t0:  # an earlier recording's (2.4 kept them)
             events = [e for e in events if e.get("time_us", t0) >= t0]
@@ -222,6 +225,8 @@ class CudaLog:
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         before = int(self.counters.start.allocated) if self.counters is not None else 0
         if self._events is None:
+            if not any(n.startswith("no breakdown") for n in self.notes):
+                self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
             return Tally(before, before, before, None, None, None, None, None, None)
         names = self.names
         s = settle(
@@ -231,17 +236,17 @@ class CudaLog:
             names.named,
             args=names.args,
             saved_before=self._saved_before,
+            released=self._released,
             unsaved=names.unsaved,
-            complete=self._complete,
+            complete=self._complete and not names.trimmed,
         )
-        names.forget_savings()
-        names.named, names.args, names.unsaved = [], [], []
-        if s.missing:
+        names.clear()
+        if not s.complete:
             self.notes.append(
-                "no breakdown: the allocator's log is not the region's whole (other code "
-                "restarted its history inside the region)"
+                f"the allocator's log holds only the region's last {len(self._events):,} "
+                f"events (it keeps at most {MAX_EVENTS:,}, or other code restarted it): the "
+                "breakdown at the peak may miss what came before them"
             )
-            return Tally(before, before, before, None, None, None, None, None, None)
 
         def every(values: dict[Category, int]) -> dict[Category, int]:
             return {c: values.get(c, 0) for c in Category if c is not Category.UNATTRIBUTED}

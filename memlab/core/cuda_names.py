@@ -26,6 +26,8 @@ from memlab.core.storages import storage_of
 
 #: A moment that means "now" (None means the region's end).
 _NOW = -1.0
+#: Names kept at most (each list): twice the events the allocator keeps for a region.
+LIMIT = 1_000_000
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -47,10 +49,12 @@ class Names:
         self._thread = threading.get_ident()
         #: (address, moment) of the tensors a module called at the top was given.
         self.args: list[tuple[int, float]] = []
-        #: (address, moment) where a saving named here ended (its alias died).
-        self.unsaved: list[tuple[int, float]] = []
-        #: Each saving's alias (weakly) and its block's address.
-        self._aliases: dict[weakref.ref[torch.Tensor], int] = {}
+        #: (address, moment saved, moment the saving ended: its alias died).
+        self.unsaved: list[tuple[int, float, float]] = []
+        #: Each saving's alias (weakly), with its block's address and the moment it was saved.
+        self._aliases: dict[weakref.ref[torch.Tensor], tuple[int, float]] = {}
+        #: Whether the oldest names were let go (a region longer than the log keeps).
+        self.trimmed = False
         self._died = self._alias_died  # (one bound method, made once: the weak references' call)
         #: Names tensors on any device, not only CUDA ones (the tests' CPU tensors).
         self.any_device = False
@@ -81,10 +85,13 @@ class Names:
             kind = type(t)
             if kind is torch.Tensor:
                 if t.is_cuda or self.any_device:
-                    ptr = t.untyped_storage().data_ptr()
-                    self.named.append((ptr, _now(), Category.ACTIVATION))
+                    ptr, now = t.untyped_storage().data_ptr(), _now()
+                    named = self.named
+                    named.append((ptr, now, Category.ACTIVATION))
                     # the alias dies when autograd lets the saving go (backward, or the graph)
-                    self._aliases[weakref.ref(alias, self._died)] = ptr
+                    self._aliases[weakref.ref(alias, self._died)] = (ptr, now)
+                    if len(named) > LIMIT:
+                        self._trim()
             elif kind is torch.nn.Parameter:  # a weight saved for backward is a parameter
                 self.mark(t, Category.PARAMETER)
             else:
@@ -94,9 +101,24 @@ class Names:
         return alias  # type: ignore[no-any-return]
 
     def _alias_died(self, ref: weakref.ref[torch.Tensor]) -> None:
-        ptr = self._aliases.pop(ref, None)
-        if ptr is not None:
-            self.unsaved.append((ptr, _now()))
+        saved = self._aliases.pop(ref, None)
+        if saved is not None:
+            self.unsaved.append((saved[0], saved[1], _now()))
+            if len(self.unsaved) > LIMIT:
+                self._trim()
+
+    def _trim(self) -> None:
+        """Lets the older half of the names go: the allocator keeps only its last events too
+        (`memlab.core.cuda_log.MAX_EVENTS`), and names older than those are of no use."""
+        self.trimmed = True
+        for names in (self.named, self.unsaved, self.args):
+            del names[: len(names) // 2]
+
+    def clear(self) -> None:
+        """Lets go of everything: the names, the savings followed, the objects met."""
+        self.forget_savings()
+        self.named, self.args, self.unsaved = [], [], []
+        self._modules, self._optimizers = {}, {}
 
     def forget_savings(self) -> None:
         """Stops following the savings (their weak references go, and with them the calls)."""
@@ -190,8 +212,7 @@ class Names:
     def at_end(self, watched: Iterable[Any]) -> None:
         """Names what the modules called at the top, the optimizers that stepped and
         ``watched`` hold (each object once)."""
-        modules, self._modules = self._modules, {}
-        optimizers, self._optimizers = self._optimizers, {}
+        modules, optimizers = dict(self._modules), dict(self._optimizers)
         for obj in watched:
             kind = type(obj)
             if issubclass(kind, torch.nn.Module):
@@ -209,6 +230,14 @@ class Names:
             self._name_module(m)
         for o in optimizers.values():
             self._name_optimizer(o, None)
+        self._modules, self._optimizers = {}, {}  # (after: a Ctrl-C above leaves them to a retry)
+
+
+def log_unpack(t: torch.Tensor) -> torch.Tensor:
+    """The log's unpack hook: the saved alias as it is. Not older_graphs' own (``unpack``): a
+    graph built under the log is walked by later regions, since no ledger follows its
+    savings."""
+    return t
 
 
 def is_log_pack(hook: Any) -> bool:

@@ -1,0 +1,190 @@
+"""A region's breakdown from the CUDA allocator's log (`memlab.core.cuda_trace`), settled once
+at its end: each block takes the strongest role named within its lifetime, and the log is
+replayed once from the allocator's own figure at the start.
+
+The roles follow the dispatch mode's rules (`memlab.core.recorder`): a block is an activation
+while autograd holds it saved (its role ends with its last saving, at that moment in the
+replay; a graph from before the region counts until backward frees or releases it); a block
+from before the region that the region saved, or gave a module at the top, is an input; one
+never named is temporary where the region freed it, else other. At the end the figures are
+the allocator's blocks to the byte; at the peak, a large block's kept-whole remainder is left
+to the report's "unattributed". A log that lost its first events (the allocator keeps a
+bounded number, or other code restarted its history) is replayed from what it holds: names
+from before its first event are dropped, and ``Settled.complete`` says so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from memlab.core.categories import PRIORITY, Category
+from memlab.core.cuda_trace import END, LIVE, NEVER, PLACE, ROLE, SAVES, SIZE, SLACK_US, START, Log
+from memlab.core.cuda_trace import UNNAMED as _NONE
+
+_BY_RANK = {PRIORITY[c]: c for c in Category}
+_TEMPORARY, _OTHER = PRIORITY[Category.TEMPORARY], PRIORITY[Category.OTHER]
+_ACTIVATION, _INPUT = PRIORITY[Category.ACTIVATION], PRIORITY[Category.INPUT]
+
+
+@dataclasses.dataclass
+class Settled:
+    """The region's figures from the log."""
+
+    before: int
+    #: The replay's highest running total, and its end (the allocator's own at the end).
+    peak: int
+    end: int
+    at_peak: dict[Category, int]
+    at_end: dict[Category, int]
+    highest: dict[Category, int]
+    #: Names the hooks gave that fell in no block's lifetime (their bytes stay unnamed).
+    unplaced: int
+    #: Blocks handed out in the region.
+    blocks: int
+    #: Whether the log held the whole region (see the module's text).
+    complete: bool = True
+
+
+def settle(
+    events: Iterable[Mapping[str, Any]],
+    before: int,
+    active_at_end: Iterable[tuple[int, int]],
+    named: Iterable[tuple[int, float | None, Category]],
+    *,
+    args: Iterable[tuple[int, float]] = (),
+    saved_before: Iterable[int] = (),
+    released: Collection[int] = (),
+    unsaved: Iterable[tuple[int, float, float]] = (),
+    complete: bool = True,
+) -> Settled:
+    """``events``: one device's log of the region, in order; ``before``: the allocator's
+    allocated bytes at the start; ``active_at_end``: (address, size) of each block allocated
+    at the end; ``named``: (address, moment or None for the end, category). ``args``: (address,
+    moment) of a module's arguments; ``saved_before``: addresses a graph from before the
+    region held saved at its start, ``released`` those of them no longer saved at its end;
+    ``unsaved``: (address, moment saved, moment the saving ended); ``complete``: False where
+    the allocator said it dropped the log's first events."""
+    log = Log(events, active_at_end)
+    older, order = log.older, log.order
+    known = sum(b[SIZE] for b in older.values())
+    complete = complete and known <= before  # (more from before than there was: a cut log)
+    extra = before - known if complete and before > known else 0
+    if extra and log.freed_older:  # what a kept-whole block from before held beyond its request
+        max(log.freed_older, key=lambda b: b[SIZE])[SIZE] += extra
+        extra = 0
+    cutoff = NEVER if complete or not log.times else log.times[0] - SLACK_US
+
+    unplaced = 0
+    for addr, when, category in named:
+        if when is not None and when < cutoff:
+            continue
+        at = log.at(addr, when)
+        if at is None:
+            unplaced += 1
+            continue
+        rank = PRIORITY[category]
+        if rank == _ACTIVATION:
+            at[SAVES] += 1
+        if rank < at[ROLE]:
+            at[ROLE] = rank
+    for addr, when in args:
+        at = log.at(addr, when) if when >= cutoff else None
+        if at is not None and at[START] == NEVER and at[ROLE] > _INPUT:
+            at[ROLE] = _INPUT
+    kept = {a for a in saved_before if a in older} if complete else set()
+    for addr in kept:
+        older[addr][ROLE] = min(older[addr][ROLE], _ACTIVATION)
+    sums = [0] * (_NONE + 1)
+    for b in older.values():
+        if b[ROLE] == _NONE:
+            b[ROLE] = _OTHER
+        elif b[ROLE] == _ACTIVATION and b[0] not in kept and complete:
+            b[ROLE] = _INPUT  # saved by the region, from before it: one of its inputs
+        sums[b[ROLE]] += b[SIZE]
+    sums[_OTHER] += extra
+    for b in order:
+        if b[ROLE] == _NONE:
+            b[ROLE] = _TEMPORARY if b[END] is not None else _OTHER
+    ends = _ends(log, unsaved, cutoff)
+    ends += [(len(order), older[a]) for a in kept if a in released and older[a][END] is None]
+
+    total = peak = sum(sums)
+    at_peak, highest = list(sums), list(sums)
+    k = 0
+    for i, (b, sign) in enumerate(zip(order, log.signs, strict=True)):
+        while k < len(ends) and ends[k][0] <= i:  # savings over by now: the role ends
+            _unsave(ends[k][1], sums, highest)
+            k += 1
+        r, size = b[ROLE], b[SIZE]
+        if sign > 0:
+            b[LIVE] = 1
+            total += size
+            v = sums[r] = sums[r] + size
+            if v > highest[r]:
+                highest[r] = v
+            if total > peak:
+                peak = total
+                at_peak = list(sums)
+        else:
+            b[LIVE] = 0
+            total -= size
+            sums[r] -= size
+    for _, b in ends[k:]:
+        _unsave(b, sums, highest)
+    at_end = [0] * (_NONE + 1)
+    for addr, b in log.live.items():
+        at_end[b[ROLE]] += log.exact.get(addr, b[SIZE])
+    return Settled(
+        before=before,
+        peak=peak,
+        end=sum(at_end),
+        at_peak=_named(at_peak),
+        at_end=_named(at_end),
+        highest=_named(highest),
+        unplaced=unplaced,
+        blocks=sum(1 for s in log.signs if s > 0),
+        complete=complete,
+    )
+
+
+def _ends(
+    log: Log, unsaved: Iterable[tuple[int, float, float]], cutoff: float
+) -> list[tuple[int, list[Any]]]:
+    """(place in the replay, block) where the last saving of a block handed out in the region,
+    named an activation, ended: from there it is what it would be unsaved. Each saving's block
+    is the one its start named (an address can be handed out again before the end is told)."""
+    last: dict[int, tuple[int, float, list[Any]]] = {}
+    for addr, saved_at, ended_at in unsaved:
+        if saved_at < cutoff:
+            continue
+        b = log.at(addr, saved_at)
+        if b is None or b[START] == NEVER or b[ROLE] != _ACTIVATION:
+            continue
+        seen = last.get(id(b))
+        count, latest = (seen[0], seen[1]) if seen is not None else (0, ended_at)
+        last[id(b)] = (count + 1, max(latest, ended_at), b)
+    out = [
+        (max(bisect.bisect_right(log.times, when), b[PLACE] + 1), b)
+        for count, when, b in last.values()
+        if count >= b[SAVES]
+    ]
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def _unsave(b: list[Any], sums: list[int], highest: list[int]) -> None:
+    """Ends ``b``'s saving in the replay: from here it is temporary where the region frees it,
+    else other."""
+    role = _TEMPORARY if b[END] is not None and b[START] != NEVER else _OTHER
+    if b[LIVE] and b[ROLE] == _ACTIVATION:
+        sums[_ACTIVATION] -= b[SIZE]
+        v = sums[role] = sums[role] + b[SIZE]
+        highest[role] = max(highest[role], v)
+    b[ROLE] = role
+
+
+def _named(values: Sequence[int]) -> dict[Category, int]:
+    return {_BY_RANK[r]: v for r, v in enumerate(values) if r in _BY_RANK and v}
