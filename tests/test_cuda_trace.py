@@ -146,7 +146,12 @@ def test_rounding_and_active_blocks() -> None:
 
 
 def test_the_log_is_not_used_without_a_gpu_or_when_turned_off(monkeypatch: Any) -> None:
+    from memlab.core import cuda_claim
+
     assert for_region(resolve("cpu"), True, tuple, tuple) is None
+    monkeypatch.setattr(cuda_claim.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda_claim.torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert why_not() == "the cudaMallocAsync allocator keeps no history of its own"
     monkeypatch.setenv(ENV, "0")
     assert why_not() == f"{ENV}=0"
 
@@ -318,6 +323,7 @@ class FakeAllocator:
         self.events, self.alive = events, alive
         self.reads = 0
         monkeypatch.setattr(cuda_claim.torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda_claim.torch.cuda, "get_allocator_backend", lambda: "native")
         monkeypatch.setattr(cuda_claim, "cuda_history_on", lambda: self.on)
         monkeypatch.setattr(cuda_log, "cuda_history_on", lambda: self.on)
         monkeypatch.setattr(cuda_log, "start_cuda_log", self.start)

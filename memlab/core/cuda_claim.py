@@ -24,6 +24,10 @@ def why_not() -> str | None:
         return f"{ENV}=0"
     if not torch.cuda.is_initialized():
         return "CUDA is not initialised yet"
+    backend = getattr(torch.cuda, "get_allocator_backend", None)
+    name = backend() if callable(backend) else "native"
+    if name != "native":  # (cudaMallocAsync and pluggable allocators keep no such log)
+        return f"the {name} allocator keeps no history of its own"
     on = cuda_history_on()
     if on is None:
         return "this PyTorch cannot say whether the allocator records its history"
