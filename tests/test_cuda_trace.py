@@ -484,3 +484,17 @@ def test_a_graph_built_under_the_log_is_walked_by_a_later_region() -> None:
     older_graphs.saved_by_older_graphs([y], Ledger())
     found = older_graphs.storages_saved_by([y])
     assert y.untyped_storage().data_ptr() in [s.data_ptr() for s in found]
+
+
+def test_a_log_that_cannot_be_settled_leaves_the_totals_and_says_why(monkeypatch: Any) -> None:
+    from memlab.core import cuda_log
+
+    log, _ = opened(monkeypatch, [ev("alloc", 100, 512, 1e18)], [(100, 512)])
+    log.stop()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("an event memlab has never seen")
+
+    monkeypatch.setattr(cuda_log, "settle", broken)
+    assert log.tally(True).at_peak is None
+    assert any("could not be settled" in n for n in log.notes)

@@ -229,18 +229,23 @@ class CudaLog:
                 self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
             return Tally(before, before, before, None, None, None, None, None, None)
         names = self.names
-        s = settle(
-            self._events,
-            before,
-            self._blocks,
-            names.named,
-            args=names.args,
-            saved_before=self._saved_before,
-            released=self._released,
-            unsaved=names.unsaved,
-            complete=self._complete and not names.trimmed,
-        )
-        names.clear()
+        try:
+            s = settle(
+                self._events,
+                before,
+                self._blocks,
+                names.named,
+                args=names.args,
+                saved_before=self._saved_before,
+                released=self._released,
+                unsaved=names.unsaved,
+                complete=self._complete and not names.trimmed,
+            )
+        except Exception as e:  # never the user's cell's problem: the totals stand without it
+            self.notes.append(f"no breakdown: the allocator's log could not be settled ({e!r})")
+            return Tally(before, before, before, None, None, None, None, None, None)
+        finally:
+            names.clear()
         if not s.complete:
             self.notes.append(
                 f"the allocator's log holds only the region's last {len(self._events):,} "
