@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import emit, header, median_time
+from common import emit, header, median_time, under
 from torch import nn
 
 import memlab
@@ -220,7 +220,7 @@ def main() -> None:
         rounds: dict[str, list[float]] = {w: [] for w in ways}
         for _ in range(args.rounds):
             for way in ways:
-                rounds[way].append(median_time(lambda w=way, d=made: _under(d[w](), step), 8))
+                rounds[way].append(median_time(lambda w=way, d=made: under(d[w], step), 8))
         bare = statistics.median(rounds["bare"])
         cells = [
             f"{statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / bare:.2f}×)"
@@ -230,14 +230,6 @@ def main() -> None:
         checks += compare(name, key, step, model, opt, inputs, args.fixtures)
     lines += ["", *checks]
     emit(lines, args.out)
-
-
-def _under(ctx: Any, step: Callable[[], None]) -> None:
-    if ctx is None:
-        step()
-    else:
-        with ctx:
-            step()
 
 
 def compare(

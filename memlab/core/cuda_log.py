@@ -23,7 +23,6 @@ history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mo
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,7 +33,7 @@ from torch.optim import optimizer as optim_module
 from memlab.core import _torch, cuda_claim, cuda_older, kv_caches, transforms
 from memlab.core._torch_record import cuda_history_on, start_cuda_log
 from memlab.core.categories import Category
-from memlab.core.cuda_names import Names, log_unpack
+from memlab.core.cuda_names import Names, log_unpack, now_us
 from memlab.core.cuda_settle import settle
 from memlab.core.cuda_trace import active_blocks
 from memlab.core.native.roles import native_pack
@@ -53,10 +52,6 @@ def is_accountant_pack(hook: Any) -> bool:
     from memlab.core.accounting import Accountant  # (it imports this module's neighbours)
 
     return isinstance(getattr(hook, "__self__", None), Accountant)
-
-
-def _now() -> float:
-    return time.time_ns() / 1000
 
 
 class CudaLog:
@@ -88,7 +83,7 @@ class CudaLog:
     # -- the region -----------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the log and the hooks (the log was claimed for this region by `for_region`)."""
-        self._t0 = _now()
+        self._t0 = now_us()
         self._state = "starting"  # (a Ctrl-C from here on still stops the history)
         try:
             self._history_ours = True
@@ -227,7 +222,7 @@ class CudaLog:
         if self._events is None:
             if not any(n.startswith("no breakdown") for n in self.notes):
                 self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
-            return Tally(before, before, before, None, None, None, None, None, None)
+            return _no_breakdown(before)
         names = self.names
         try:
             s = settle(
@@ -243,7 +238,7 @@ class CudaLog:
             )
         except Exception as e:  # never the user's cell's problem: the totals stand without it
             self.notes.append(f"no breakdown: the allocator's log could not be settled ({e!r})")
-            return Tally(before, before, before, None, None, None, None, None, None)
+            return _no_breakdown(before)
         finally:
             names.clear()
         if not s.complete:
@@ -286,3 +281,7 @@ def for_region(
         return None
     log.watched, log.inputs = watched, inputs
     return log
+
+
+def _no_breakdown(before: int) -> Tally:
+    return Tally(before, before, before, None, None, None, None, None, None)

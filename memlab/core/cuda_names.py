@@ -22,6 +22,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from memlab.core.categories import Category
+from memlab.core.roles import state_tensors
 from memlab.core.storages import storage_of
 
 #: A moment that means "now" (None means the region's end).
@@ -31,7 +32,8 @@ LIMIT = 1_000_000
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _now() -> float:
+def now_us() -> float:
+    """The hooks' clock, in the allocator log's unit (Unix microseconds)."""
     return time.time_ns() / 1000
 
 
@@ -75,7 +77,7 @@ class Names:
                 if st is None or not (st.device.type == "cuda" or self.any_device):
                     return
                 ptr = st.data_ptr()
-            self.named.append((ptr, _now() if when == _NOW else when, category))
+            self.named.append((ptr, now_us() if when == _NOW else when, category))
         except Exception:  # a tensor that cannot say: its bytes stay unnamed
             self.lost += 1
 
@@ -85,7 +87,7 @@ class Names:
             kind = type(t)
             if kind is torch.Tensor:
                 if t.is_cuda or self.any_device:
-                    ptr, now = t.untyped_storage().data_ptr(), _now()
+                    ptr, now = t.untyped_storage().data_ptr(), now_us()
                     named = self.named
                     named.append((ptr, now, Category.ACTIVATION))
                     # the alias dies when autograd lets the saving go (backward, or the graph)
@@ -103,7 +105,7 @@ class Names:
     def _alias_died(self, ref: weakref.ref[torch.Tensor]) -> None:
         saved = self._aliases.pop(ref, None)
         if saved is not None:
-            self.unsaved.append((saved[0], saved[1], _now()))
+            self.unsaved.append((saved[0], saved[1], now_us()))
             if len(self.unsaved) > LIMIT:
                 self._trim()
 
@@ -149,7 +151,7 @@ class Names:
                 self._pre = None
             self._modules.setdefault(id(module), module)
             self._post = module.register_forward_hook(self._top_post, always_call=True)
-            now = _now()
+            now = now_us()
             for a in args if isinstance(args, tuple) else (args,):
                 if type(a) is torch.Tensor and (a.is_cuda or self.any_device):
                     self.args.append((a.untyped_storage().data_ptr(), now))
@@ -170,7 +172,7 @@ class Names:
         """The gradients an optimizer is about to use, now (``zero_grad`` may free them before
         the end); its parameters and state are named at the end, where they still are."""
         self._optimizers.setdefault(id(opt), opt)
-        now, add = _now(), self.named.append
+        now, add = now_us(), self.named.append
         try:
             for group in opt.param_groups:
                 for p in group["params"]:
@@ -191,10 +193,8 @@ class Names:
                     self.mark(p, Category.PARAMETER, when)
                     if p.grad is not None:
                         self.mark(p.grad, Category.GRADIENT, when)
-            for state in opt.state.values():
-                for value in state.values() if isinstance(state, dict) else ():
-                    if isinstance(value, torch.Tensor):
-                        self.mark(value, Category.OPTIMIZER_STATE, when)
+            for value in state_tensors(opt):
+                self.mark(value, Category.OPTIMIZER_STATE, when)
         except Exception:  # an optimizer whose own code raises: its bytes stay unnamed
             self.lost += 1
 

@@ -90,10 +90,8 @@ class Roles:
                 self.mark(p, Category.PARAMETER)
                 if p.grad is not None:
                     self.mark(p.grad, Category.GRADIENT)
-        for state in opt.state.values():
-            for value in state.values() if isinstance(state, dict) else ():
-                if isinstance(value, torch.Tensor):
-                    self.mark(value, Category.OPTIMIZER_STATE)
+        for value in state_tensors(opt):
+            self.mark(value, Category.OPTIMIZER_STATE)
 
     def watch(self, objects: Iterable[Any]) -> None:
         """Learn the roles of the storages behind modules, optimizers and tensors. An object
@@ -144,6 +142,16 @@ class Roles:
                 self._remember_leaf(obj)
                 if obj.grad is not None:
                     self.mark(obj.grad, Category.GRADIENT)
+
+
+def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors in ``opt.state`` (momentum, Adam's moments, step counters)."""
+    return [
+        v
+        for state in opt.state.values()
+        for v in (state.values() if isinstance(state, dict) else ())
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def _none() -> None:

@@ -34,6 +34,7 @@ from torch import nn
 from memlab.core import _torch
 from memlab.core.categories import Category
 from memlab.core.host import HostCopies, HostFigures, host_allocator_stats
+from memlab.core.roles import state_tensors
 from memlab.core.storages import storage_of
 from memlab.reports.host import HostMemory
 from memlab.reports.report import MemoryReport
@@ -105,7 +106,7 @@ class HostOffload:
         for kind, tensors in (
             ("master_weights", opt.masters),
             ("gradients", [g for g in opt.grads if g is not None]),
-            ("optimizer_state", _state_tensors(opt.inner)),
+            ("optimizer_state", state_tensors(opt.inner)),
         ):
             for t in tensors:
                 self.copies.add_tensor(t, kind, pinned=False)
@@ -167,15 +168,6 @@ def _unpack_meta(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tens
     # the copy back, made anew on meta; from sizes alone: an op that read the host copy would
     # show it to the device's accounting
     return torch.empty(tensor.size(), dtype=tensor.dtype, device=device)
-
-
-def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        v
-        for state in opt.state.values()
-        for v in (state.values() if isinstance(state, dict) else ())
-        if isinstance(v, torch.Tensor)
-    ]
 
 
 def _unhooked_step(opt: torch.optim.Optimizer) -> None:
