@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,80 @@ def test_a_graph_from_before_released_in_the_region_is_no_longer_an_activation_a
     # 100: saved by an older graph, released by backward, still held (the program's input)
     s = settle([], 1024, [(100, 1024)], [], saved_before=[100], released={100})
     assert s.at_peak == {Category.ACTIVATION: 1024} and s.at_end == {Category.OTHER: 1024}
+
+
+def test_a_weight_an_older_graph_saved_is_still_a_parameter_once_that_graph_is_released() -> None:
+    # 100: a weight the forward of an earlier cell saved; this cell's backward released it
+    named = [(100, None, Category.PARAMETER), (200, None, Category.ACTIVATION)]
+    s = settle(
+        [], 1536, [(100, 1024), (200, 512)], named, saved_before=[100, 200], released={100, 200}
+    )
+    assert s.at_end == {Category.PARAMETER: 1024, Category.OTHER: 512}
+    assert s.at_peak == {Category.PARAMETER: 1024, Category.ACTIVATION: 512}
+
+
+def random_region(rng: random.Random) -> tuple[list[Any], int, list[Any], dict[str, Any]]:
+    """A random, consistent log: blocks from before (some freed), blocks handed out and freed
+    at addresses used again, names at moments near the events, savings that end."""
+    addresses = [4096 * (i + 1) for i in range(rng.randint(1, 24))]
+    older = {a: rng.choice([512, 1024, 70144]) for a in rng.sample(addresses, len(addresses) // 3)}
+    before = sum(older.values())
+    free = [a for a in addresses if a not in older]
+    live: dict[int, int] = {}
+    events: list[Any] = []
+    t = 1e15
+    for _ in range(rng.randint(0, 50)):
+        t += rng.choice([1, 7, 40])
+        if free and rng.random() < 0.55:
+            a = free.pop(rng.randrange(len(free)))
+            live[a] = rng.choice([1, 511, 513, 2048, 1 << 20])
+            events.append(ev("alloc", a, live[a], t))
+        elif live or older:
+            a = rng.choice([*live, *older])
+            size = live.pop(a) if a in live else older.pop(a)
+            events.append(ev("free_requested", a, size, t))
+            free.append(a)
+    alive = [(a, rounded(size)) for a, size in live.items()] + list(older.items())
+    moments = [e["time_us"] + rng.choice([0, 0, -3, 5, 30]) for e in events] or [t]
+    kinds = [c for c in Category if c is not Category.UNATTRIBUTED] + [Category.ACTIVATION] * 6
+    named = [
+        (rng.choice(addresses), rng.choice([None, *moments]), rng.choice(kinds))
+        for _ in range(rng.randint(0, 40))
+    ]
+    unsaved = [
+        (a, when, when + rng.choice([1, 60, 900]))
+        for a, when, c in named
+        if c is Category.ACTIVATION and when is not None and rng.random() < 0.7
+    ]
+    saved = rng.sample(addresses, min(3, len(addresses)))
+    extra = {
+        "args": [(rng.choice(addresses), rng.choice(moments)) for _ in range(3)],
+        "saved_before": saved,
+        "released": set(saved[:1]),
+        "unsaved": unsaved,
+    }
+    return events, before, alive, {"named": named, **extra}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_logs_add_up_at_the_peak_and_end_and_peak_where_the_totals_do(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        events, before, alive, kw = random_region(rng)
+        s = settle(events, before, alive, kw.pop("named"), **kw)
+        totals, sizes = [before], {}
+        for e in events:  # the running total, from the log alone
+            if e["action"] == "alloc":
+                sizes[e["addr"]] = rounded(e["size"])
+                totals.append(totals[-1] + sizes[e["addr"]])
+            else:
+                totals.append(totals[-1] - sizes.pop(e["addr"], rounded(e["size"])))
+        assert s.complete and s.peak == max(totals) and s.end == totals[-1]
+        assert sum(s.at_peak.values()) == s.peak and sum(s.at_end.values()) == s.end
+        assert s.end == sum(size for _, size in alive)
+        for c, v in s.highest.items():
+            assert v >= s.at_peak.get(c, 0) and v >= s.at_end.get(c, 0)
+        assert set(s.at_peak) | set(s.at_end) <= set(s.highest)
 
 
 def test_the_lifetime_that_holds_the_moment_wins_over_one_begun_just_after() -> None:

@@ -176,10 +176,12 @@ def _ends(
 
 
 def _unsave(b: list[Any], sums: list[int], highest: list[int]) -> None:
-    """Ends ``b``'s saving in the replay: from here it is temporary where the region frees it,
-    else other."""
+    """Ends ``b``'s saving in the replay: from here an activation is temporary where the region
+    frees it, else other."""
+    if b[ROLE] != _ACTIVATION:
+        return  # (a parameter a graph from before saved stays a parameter)
     role = _TEMPORARY if b[END] is not None and b[START] != NEVER else _OTHER
-    if b[LIVE] and b[ROLE] == _ACTIVATION:
+    if b[LIVE]:
         sums[_ACTIVATION] -= b[SIZE]
         v = sums[role] = sums[role] + b[SIZE]
         highest[role] = max(highest[role], v)
