@@ -467,6 +467,31 @@ def test_the_log_is_claimed_once_and_given_back_after_an_interrupted_close(
     assert t.at_end is not None and t.at_end[Category.OTHER] == 1536
 
 
+def test_a_history_the_program_sets_inside_the_region_is_left_on(monkeypatch: Any) -> None:
+    import torch
+
+    from memlab.core import cuda_claim
+
+    programs: list[Any] = []
+
+    def programs_own(enabled: Any = "all", **kwargs: Any) -> None:
+        programs.append(enabled)
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", programs_own)
+    log, fake = opened(monkeypatch, [ev("alloc", 100, 512, 1e18)], [(100, 512)])
+    torch.cuda.memory._record_memory_history(max_entries=10)  # the program's own, in the cell
+    log.stop()
+    assert programs == ["all"] and fake.on  # called through, and never turned off by memlab
+    assert torch.cuda.memory._record_memory_history is programs_own  # (memlab's watch is gone)
+    assert any("left as the program set it" in n for n in log.notes)
+    t = log.tally(True)
+    assert t.at_end is not None and t.at_end[Category.OTHER] == 512
+    assert not cuda_claim._OPEN
+    log2, fake2 = opened(monkeypatch, [], [])  # a region without it: its own history goes off
+    log2.stop()
+    assert not fake2.on and torch.cuda.memory._record_memory_history is programs_own
+
+
 def test_a_log_restarted_inside_the_region_says_so(monkeypatch: Any) -> None:
     # a free of 2 KiB from before the region, where the allocator held nothing at its start
     log, _ = opened(monkeypatch, [ev("free_requested", 100, 2048, 1e18)], [])

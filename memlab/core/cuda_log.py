@@ -23,6 +23,7 @@ history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mo
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -74,6 +75,8 @@ class CudaLog:
         self._state = "new"
         self._complete = True
         self._history_ours = False
+        #: Whether the program set the allocator's history itself inside the region.
+        self._history_taken = False
         #: Blocks graphs from before the region hold saved (their addresses), the outputs
         #: behind them (weakly), and those of the blocks no longer saved at the end.
         self._saved_before: list[int] = []
@@ -125,6 +128,7 @@ class CudaLog:
         self.names.mark(t, category)
 
     def _install(self) -> None:
+        self._watch_history()
         handle = optim_module.register_optimizer_step_pre_hook(self.names.optimizer_pre)
         self._stack.callback(handle.remove)
         self._stack.callback(quiet_compile_hooks())
@@ -152,6 +156,25 @@ class CudaLog:
         self._stack.callback(self._remove_pack)
         transforms.install(self.names.pack, unpack, self._stepped_aside)
 
+    def _watch_history(self) -> None:
+        """Notices the program setting the allocator's history itself while the region is open
+        (to take a snapshot of its own, say): the history is then the program's, and the region
+        leaves it as the program set it. Put back at the region's end, if still in place."""
+        memory = torch.cuda.memory
+        original = memory._record_memory_history
+
+        @functools.wraps(original)
+        def record_memory_history(*args: Any, **kwargs: Any) -> Any:
+            self._history_taken = True
+            return original(*args, **kwargs)
+
+        def put_back() -> None:
+            if memory._record_memory_history is record_memory_history:
+                memory._record_memory_history = original
+
+        memory._record_memory_history = record_memory_history
+        self._stack.callback(put_back)
+
     def _remove_pack(self) -> None:
         transforms.uninstall(self.names.pack)
         if not _torch.remove_saved_tensors_hooks(self.names.pack):
@@ -175,6 +198,8 @@ class CudaLog:
                 finally:
                     self._state = "stopped"
                     cuda_claim.release(self)
+                    if self._history_taken:
+                        self._history_ours = False
                     if self._history_ours and cuda_history_on():  # (a Ctrl-C in the read)
                         with contextlib.suppress(Exception):
                             _torch.record_memory_history(False)
@@ -205,8 +230,14 @@ class CudaLog:
                 return
         finally:
             self._history_ours = False
-            with contextlib.suppress(Exception):
-                _torch.record_memory_history(False)
+            if self._history_taken:
+                self.notes.append(
+                    "the program set the allocator's history itself inside the region: it is "
+                    "left as the program set it, and the breakdown reads the log as it was kept"
+                )
+            else:
+                with contextlib.suppress(Exception):
+                    _torch.record_memory_history(False)
         traces = snap.get("device_traces") or []
         events = traces[self.index] if self.index < len(traces) else []
         self._complete = len(events) < MAX_EVENTS
