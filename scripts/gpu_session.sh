@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_session.sh STAGE...      (in the checkout's root)
 #
+#   cuda       the `cuda` tests alone (a minute: the first thing to run on a fresh GPU machine)
 #   tests      the suite, `cuda` tests included, but not the browser, Binder, lint or notebooks
 #   traces     small real allocator traces -> tests/data/trace-*.json.gz
 #   validate   the estimator against the GPU -> benchmarks/results/estimator-gpu.{md,jsonl},
@@ -57,6 +58,9 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to logs/N
 grep -E "^torch" "$logs/env.log"
 for s in "$@"; do
   case $s in
+    cuda)
+      stage cuda 240 $py -m pytest -q -p no:cacheprovider tests -m cuda \
+        --junitxml="$results/cuda-junit.xml" ;;
     tests)
       stage tests 420 $py -m pytest -q -p no:cacheprovider tests -m "not slow" \
         --ignore=tests/test_browser.py --ignore=tests/test_binder.py \
@@ -83,7 +87,7 @@ for s in "$@"; do
     notebooks)
       stage notebooks 560 $py scripts/run_notebooks.py --jobs 4 --timeout 300 \
         --out "$results/notebooks-gpu" ;;
-    *) echo "unknown stage $s: tests, traces, validate, bench or notebooks" >&2 ;;
+    *) echo "unknown stage $s: cuda, tests, traces, validate, bench or notebooks" >&2 ;;
   esac
 done
 
