@@ -139,6 +139,25 @@ def test_a_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path, protocol
     assert marker.exists()
 
 
+def test_a_few_bytes_listing_millions_of_blocks_are_refused_at_once(tmp_path: Path) -> None:
+    # a pickle's memo lists one block again and again: 1,100 x 1,000 blocks in 4 KB
+    block = {"address": 0, "size": 512, "requested_size": 512, "state": "active_allocated"}
+    segment = {"device": 0, "address": 0, "total_size": 512_000, "blocks": [block] * 1000}
+    path = tmp_path / "bomb.pickle"
+    path.write_bytes(pickle.dumps({"segments": [segment] * 1100, "device_traces": [[]]}))
+    assert path.stat().st_size < 10_000
+    for read in (
+        lambda: load_snapshot(path),
+        lambda: load_snapshot(path, first_view=print),
+        lambda: from_dict({"segments": [segment] * 1100}, "in memory"),
+    ):
+        with pytest.raises(SnapshotError, match="lists 1,100,000 blocks in 1,100 segments"):
+            read()
+    small = tmp_path / "small.pickle"  # (below the limit: read)
+    small.write_bytes(pickle.dumps({"segments": [segment] * 10, "device_traces": [[]]}))
+    assert load_snapshot(small).allocated == 10 * 1000 * 512
+
+
 def test_other_globals_and_bad_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match=r"builtins\.eval"):
         load_snapshot(dumped(tmp_path, {"segments": [], "x": eval}))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ def load_snapshot(
     name = str(path)
 
     def segments_read(segments: list[dict[str, Any]]) -> None:
+        check_blocks(segments, name)
         if first_view is not None:
             with _layout_checked(name):
                 view = first_look(segments, name, device)
@@ -58,12 +60,37 @@ def load_snapshot(
             f"device={device!r}: the snapshot has no trace and holds segments of device(s) "
             f"{', '.join(map(str, sorted(devices))) or 'none'}; pass one of those, or None."
         )
+    check_blocks(data["segments"], name)
     with _layout_checked(name):
         collector = collectors.get(dev) or Collector(frames)
         trace = collector.finish(data["segments"], dev)
         cancelled = data.get("cancelled_at")
         state = None if cancelled is None else f"cancelled at {fmt_bytes(cancelled)}"
         return _report(data, name, dev, trace, collector.events, frames.line, state)
+
+
+#: Blocks read at most, all segments together. A real program's snapshot holds far fewer; a
+#: pickle can list one block again and again in a few bytes (its memo), and millions of them
+#: would take minutes and gigabytes to read.
+MAX_BLOCKS = 1_000_000
+
+
+def check_blocks(segments: Any, name: str) -> None:
+    """A `SnapshotError` where ``segments`` list more than `MAX_BLOCKS` blocks (counted
+    without reading them)."""
+    if not isinstance(segments, (list, tuple)):
+        return  # (the layout's own check says what is wrong)
+    n = 0
+    for s in segments:
+        blocks = s.get("blocks") if isinstance(s, Mapping) else None
+        if isinstance(blocks, (list, tuple)):
+            n += len(blocks)
+    if n > MAX_BLOCKS:
+        raise SnapshotError(
+            f"{name} lists {n:,} blocks in {len(segments):,} segments, more than memlab reads "
+            f"({MAX_BLOCKS:,}; a real program's snapshot holds far fewer): pass a file written "
+            "by torch.cuda.memory._dump_snapshot."
+        )
 
 
 @contextlib.contextmanager
@@ -110,6 +137,7 @@ def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> 
             "torch.cuda.memory._snapshot() returns."
         )
     dev, events = busiest(data, device)
+    check_blocks(data.get("segments", ()), str(name))
     with _layout_checked(str(name)):
         collector = Collector(Frames())
         collector.add(events)
@@ -127,10 +155,16 @@ def _report(
     state: str | None = None,
 ) -> Snapshot:
     segments = [s for s in data.get("segments", ()) if s.get("device", dev) == dev]
-    blocks = [b for s in segments for b in s.get("blocks", ())]
-    active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
-    free = [int(b["size"]) for b in blocks if not str(b.get("state", "")).startswith("active")]
-    allocated = sum(int(b["size"]) for b in active)
+    active, free, allocated, internal = [], [], 0, 0
+    for s in segments:  # (one pass: a snapshot can hold a million blocks)
+        for b in s.get("blocks", ()):
+            size = int(b["size"])
+            if str(b.get("state", "")).startswith("active"):
+                active.append(b)
+                allocated += size
+                internal += size - int(b.get("requested_size", size))
+            else:
+                free.append(size)
     notes = []
     if state == "first view":
         notes.append(
@@ -166,7 +200,7 @@ def _report(
             f"out of memory at {t:.3f} s: {fmt_bytes(size)} asked for, "
             f"{fmt_bytes(device_free)} free on the device"
         )
-    live = sorted(active, key=lambda b: -int(b["size"]))[:TOP]
+    live = heapq.nlargest(TOP, active, key=lambda b: int(b["size"]))
     return Snapshot(
         path=name,
         device=dev,
@@ -176,7 +210,7 @@ def _report(
         segments=len(segments),
         free_cache=sum(free),
         largest_free=max(free, default=0),
-        internal_free=sum(int(b["size"]) - int(b.get("requested_size", b["size"])) for b in active),
+        internal_free=internal,
         live=tuple(Allocation(size=int(b["size"]), line=line(b.get("frames"))) for b in live),
         top=largest(trace),
         trace=trace,
