@@ -29,7 +29,7 @@ PINNED = {"examples": 4}
 #: The seam, the one module allowed to name private PyTorch attributes.
 SEAM = "core/_torch.py"
 #: The seam's other files: the profiler's allocation record; what autograd holds.
-SEAMS = {SEAM, "core/_torch_record.py", "core/_torch_autograd.py"}
+SEAMS = {SEAM, "core/_torch_record.py", "core/_torch_autograd.py", "core/_torch_history.py"}
 #: Modules allowed over 300 lines: tables of ops, not logic.
 OP_TABLES = {"estimate/autocast.py"}
 MAX_LINES = 300

@@ -267,23 +267,3 @@ def saved_hooks_module() -> Any:
     """``torch._C._autograd``, whose push and pop of saved-tensor hooks memlab follows where
     the pair in force cannot be read (`memlab.core.transforms`). Checked 2.4.1, 2.11, 2.13."""
     return torch._C._autograd
-
-
-def cuda_history_on() -> bool | None:
-    """Whether the CUDA caching allocator records its history now (None where this PyTorch
-    cannot say). Checked 2.4.1, 2.11."""
-    said = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-    return bool(said()) if callable(said) else None
-
-
-def start_cuda_log(max_entries: int) -> None:
-    """The allocator's history without stack frames, only its ``alloc`` and ``free_requested``
-    where this PyTorch can leave the other actions out (2.11: a smaller log to read back)."""
-    record = torch.cuda.memory._record_memory_history
-    try:
-        record(context=None, max_entries=max_entries, clear_history=True, skip_actions=_SKIP)
-    except (TypeError, ValueError, RuntimeError):  # 2.4: neither argument; an action renamed
-        record(context=None, max_entries=max_entries)
-
-
-_SKIP = ["free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memlab.core._torch_record import cuda_history_on
+from memlab.core._torch_history import cuda_history_on
 
 ENV = "MEMLAB_CUDA_LOG"
 _lock = threading.Lock()

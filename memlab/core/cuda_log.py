@@ -23,7 +23,6 @@ history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mo
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from torch.optim import optimizer as optim_module
 
 from memlab.core import _torch, cuda_claim, cuda_older, kv_caches, transforms
-from memlab.core._torch_record import cuda_history_on, start_cuda_log
+from memlab.core._torch_history import cuda_history_on, start_cuda_log, watch_history
 from memlab.core.categories import Category
 from memlab.core.cuda_names import Names, log_unpack, now_us
 from memlab.core.cuda_settle import settle
@@ -128,7 +127,8 @@ class CudaLog:
         self.names.mark(t, category)
 
     def _install(self) -> None:
-        self._watch_history()
+        # the program setting the history itself inside the region: it is then the program's
+        self._stack.callback(watch_history(lambda: setattr(self, "_history_taken", True)))
         handle = optim_module.register_optimizer_step_pre_hook(self.names.optimizer_pre)
         self._stack.callback(handle.remove)
         self._stack.callback(quiet_compile_hooks())
@@ -155,25 +155,6 @@ class CudaLog:
             return
         self._stack.callback(self._remove_pack)
         transforms.install(self.names.pack, unpack, self._stepped_aside)
-
-    def _watch_history(self) -> None:
-        """Notices the program setting the allocator's history itself while the region is open
-        (to take a snapshot of its own, say): the history is then the program's, and the region
-        leaves it as the program set it. Put back at the region's end, if still in place."""
-        memory = torch.cuda.memory
-        original = memory._record_memory_history
-
-        @functools.wraps(original)
-        def record_memory_history(*args: Any, **kwargs: Any) -> Any:
-            self._history_taken = True
-            return original(*args, **kwargs)
-
-        def put_back() -> None:
-            if memory._record_memory_history is record_memory_history:
-                memory._record_memory_history = original
-
-        memory._record_memory_history = record_memory_history
-        self._stack.callback(put_back)
 
     def _remove_pack(self) -> None:
         transforms.uninstall(self.names.pack)

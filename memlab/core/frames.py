@@ -5,6 +5,7 @@ without memlab, whichever front end ran it (``%%gpumem``, `memlab.whatif.run`, `
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import itertools
 import sysconfig
@@ -141,26 +142,64 @@ def raised_by_memlab(e: BaseException) -> bool:
     return bool(entries) and _file(entries[-1]).startswith(_MEMLAB)
 
 
+def message_of(e: BaseException) -> str:
+    """``str(e)``, or a placeholder where the error's own ``__str__`` raises."""
+    try:
+        return str(e)
+    except Exception:
+        return "(its message could not be read)"
+
+
+def described(e: BaseException) -> str:
+    """``Kind: message`` of ``e`` (`message_of`), or its kind alone without a message."""
+    text = message_of(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
+
+
+def said_by_memlab(e: BaseException) -> bool:
+    """Whether memlab's own code raised ``e`` on purpose: a ``raise`` statement of memlab's
+    with an error that says what to pass (an argument refused). An error Python raised inside
+    memlab's code (a bug of memlab's, an ``assert``) is not."""
+    entries = _entries(e)
+    if not entries or not isinstance(e, Exception) or isinstance(e, AssertionError):
+        return False
+    tb = entries[-1]
+    code = tb.tb_frame.f_code.co_code
+    at = tb.tb_lasti
+    return (
+        _file(tb).startswith(_MEMLAB)
+        and 0 <= at < len(code) - 1
+        and code[at] == _RAISE
+        and code[at + 1] > 0  # (``raise X``; a bare ``raise`` passes on what it caught)
+    )
+
+
 def users_traceback(
     own: tuple[type[BaseException], ...] = (),
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A front end's decorator: what the user's code raised inside it (or one of memlab's
-    ``own`` errors, which say what to do) leaves it without memlab's frames, nor those of the
-    errors it was raised from, as does a Ctrl-C. Anything else (a bug of memlab's) keeps them,
-    to be reported."""
+    ``own`` errors, or an error memlab raised on purpose to say what to pass: `said_by_memlab`)
+    leaves it without memlab's frames, nor those of the errors it was raised from, as does a
+    Ctrl-C. Anything else (a bug of memlab's) keeps them, to be reported."""
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def front(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
                 return fn(*args, **kwargs)
-            except Exception as e:
-                if isinstance(e, own) or through_users_code(e) or getattr(e, _USERS, False):
+            except BaseException as e:  # (SystemExit, GeneratorExit, a user's own kind too)
+                if (
+                    isinstance(e, (KeyboardInterrupt, *own))  # a Ctrl-C, wherever it landed
+                    or through_users_code(e)
+                    or getattr(e, _USERS, False)
+                    or said_by_memlab(e)
+                ):
+                    the_users(e)  # (a front end around this one strips what it adds too)
                     chain_without_memlab(e)
                 raise  # a bare raise adds no frame of this one's
-            except KeyboardInterrupt as e:  # the user's Ctrl-C, wherever it landed
-                chain_without_memlab(e)
-                raise
 
         return front
 

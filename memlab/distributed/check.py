@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memlab.core.frames import users_traceback
 from memlab.distributed.table import RankTable
 from memlab.estimate.distributed import RankMemory
 from memlab.reports.frame import CELL, NAME, heading, note, num_cell, table, text_cell
@@ -73,6 +74,7 @@ class Check(Result):
         )
 
 
+@users_traceback()
 def check(measured: RankTable, predicted: RankMemory, label: str = "") -> Check:
     """Sets a prediction beside the ranks' measured peaks; ``label`` names the model."""
     if not isinstance(measured, RankTable):

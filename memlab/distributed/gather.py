@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from memlab.core.frames import users_traceback
 from memlab.distributed.table import RankRow, RankTable
 from memlab.region.measure import track
 from memlab.reports.report import MemoryReport
@@ -32,6 +33,7 @@ def _dist() -> Any:
     return dist
 
 
+@users_traceback()
 def gather(region: track | MemoryReport, *, dst: int = 0) -> RankTable | None:
     """Every rank calls it with its measured region (the ``track`` object or its ``report``);
     rank ``dst`` gets the `RankTable` of all ranks, the others ``None``. A collective: every

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from memlab.core.frames import users_traceback
 from memlab.distributed.table import RankTable
 
 BACKENDS = ("gloo", "nccl")
@@ -165,6 +166,7 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+@users_traceback()
 def launch(
     fn: Callable[..., Any],
     world_size: int = 2,

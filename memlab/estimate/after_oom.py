@@ -15,6 +15,7 @@ from typing import Any
 
 from memlab.core import cuda
 from memlab.core.categories import Category
+from memlab.core.frames import users_traceback
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.estimate.allocator import round_size
 from memlab.estimate.holders import variable_names, variable_root
@@ -31,6 +32,7 @@ def requested_of(error: BaseException) -> int | None:
     return None if m is None else round_size(int(float(m.group(1)) * _UNITS[m.group(2)]))
 
 
+@users_traceback()
 def after_oom(
     error: BaseException,
     device: str = "cuda:0",
@@ -43,6 +45,16 @@ def after_oom(
     """Explain ``error`` (a ``torch.OutOfMemoryError``) on ``device``: the cache, what was
     live, the levers. ``state``: the allocator's (segments, bytes it may reserve), read from the
     device when not given; None is returned when there is none to read (no CUDA)."""
+    if not isinstance(error, BaseException):
+        raise TypeError(
+            f"after_oom: error is a {type(error).__name__}: pass the exception the code raised "
+            "(a torch.OutOfMemoryError, caught with except torch.OutOfMemoryError as e)."
+        )
+    if not isinstance(device, str):
+        raise TypeError(
+            f"after_oom: device is a {type(device).__name__}: pass the device as a str, "
+            "such as 'cuda:0'."
+        )
     index = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     if state is None:
         state = cuda.cache_state(index)

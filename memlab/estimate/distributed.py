@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memlab.core.categories import Category
+from memlab.core.frames import users_traceback
 from memlab.estimate.result import Estimate
 from memlab.reports.frame import NAME, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 
+@users_traceback()
 def per_rank(
     estimate: Estimate,
     world_size: int,
@@ -141,6 +143,7 @@ class StrategyTable(Result):
         return "\n".join([head, body, *(note(n) for n in self.notes())])
 
 
+@users_traceback()
 def strategies(estimate: Estimate, world_size: int) -> StrategyTable:
     """One rank's memory under every strategy (ddp, zero1, zero2, fsdp) over ``world_size``
     GPUs: ``.rows`` holds each strategy's `RankMemory`; display it, print it or ``.to_dict()``."""
@@ -148,6 +151,7 @@ def strategies(estimate: Estimate, world_size: int) -> StrategyTable:
     return StrategyTable(world_size, tuple(rows))
 
 
+@users_traceback()
 def model_states(
     parameters: int,
     world_size: int,
@@ -177,6 +181,7 @@ def model_states(
     return StrategyTable(world_size, tuple(rows))
 
 
+@users_traceback()
 def compare(estimate: Estimate, world_size: int) -> str:
     """Kept for one release: use `strategies`, whose result prints the same table (with notes),
     shows as HTML in a notebook and has ``.to_dict()``. Returns the plain-text table."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.frames import users_traceback
 from memlab.estimate.fit_result import GenerationFit
 from memlab.estimate.gpus import GPU
 from memlab.estimate.gpus import gpu as find_gpu
@@ -36,6 +37,7 @@ MAX_CONTEXT = 1 << 20
 PromptFn = Callable[[int, int], Any]
 
 
+@users_traceback()
 def fit_generation(
     model_fn: ModelFn,
     input_fn: PromptFn | None = None,

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from memlab.core.frames import users_traceback
 from memlab.estimate.allocator import CachingAllocator
 
 # The results live in their own module; imported here under their names, as before.
@@ -183,6 +184,7 @@ def diff(
     return StreamDiff(mine, theirs, first, tuple(differ))
 
 
+@users_traceback()
 def compare(
     predicted: Mapping[str, Any] | list[dict[str, Any]],
     real: Mapping[str, Any] | list[dict[str, Any]],

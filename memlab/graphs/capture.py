@@ -85,6 +85,7 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
     return _build(outputs, intervals, fixed, given, params, notes, kinds)
 
 
+@users_traceback()
 def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Graph:
     """The annotated graph behind tensors that already have a ``grad_fn`` (lists, tuples and
     dicts of them are unpacked). Module names are unknown here (``memlab.graph`` runs the

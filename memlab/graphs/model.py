@@ -8,6 +8,7 @@ from html import escape
 from typing import Any
 
 from memlab.core._torch import SAVED_PREFIX
+from memlab.core.frames import users_traceback
 from memlab.graphs.collapse import MAX_DRAWN
 from memlab.reports.frame import frame, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
@@ -71,8 +72,12 @@ class Graph(Result):
     def activation_bytes(self) -> int:
         return sum(n.bytes for n in self.nodes)
 
+    @users_traceback()
     def by_module(self, depth: int | None = None) -> Mapping[str, tuple[int, int]]:
         """Module path (cut to ``depth`` components) -> (activation bytes, node count)."""
+        from memlab.graphs.dot import check_drawing
+
+        check_drawing(depth, None)
         out: dict[str, tuple[int, int]] = {}
         for n in self.nodes:
             key = module_at(n.module, depth)
@@ -80,7 +85,10 @@ class Graph(Result):
             out[key] = (b + n.bytes, c + 1)
         return out
 
+    @users_traceback()
     def heaviest(self, k: int = 10) -> list[Node]:
+        if type(k) is not int or k < 0:
+            raise ValueError(f"k must be an int ≥ 0 (how many nodes to list), not {k!r:.40}")
         return sorted((n for n in self.nodes if n.bytes), key=lambda n: -n.bytes)[:k]
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +121,7 @@ class Graph(Result):
         }
 
     # -- drawing ------------------------------------------------------------------------------
+    @users_traceback()
     def dot(self, depth: int | None = None, limit: int | None = MAX_DRAWN) -> str:
         """The DOT text. ``depth``: collapse modules below that many path components into one
         box each (a module-level view); ``None`` draws every node. ``limit``: the most boxes
@@ -127,11 +136,13 @@ class Graph(Result):
     def source(self) -> str:
         return self.dot()
 
+    @users_traceback()
     def svg(self, depth: int | None = None, limit: int | None = MAX_DRAWN) -> str:
         from memlab.graphs.dot import render_svg
 
         return render_svg(self.dot(depth, limit))
 
+    @users_traceback()
     def view(self, depth: int | None, limit: int | None = MAX_DRAWN) -> GraphView:
         """The module-level view, for display: ``memlab.graph(model, x).view(depth=2)``;
         ``depth=None``: every node (what a small graph shows by default)."""
@@ -140,10 +151,12 @@ class Graph(Result):
         check_drawing(depth, limit)  # said here, not when the view is displayed
         return GraphView(self, depth, limit)
 
+    @users_traceback()
     def table_html(self, k: int = 10) -> str:
         """The ``k`` heaviest nodes, in the frame: what a notebook shows under the drawing."""
         return frame(self.html(k), self.css)
 
+    @users_traceback()
     def html(self, k: int = 10) -> str:
         rows = [
             text_cell(n.op) + text_cell(n.module or "(top level)") + num_cell(n.bytes)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from memlab.core.autograd import iter_nodes
+from memlab.core.frames import users_traceback
 from memlab.graphs.saved import GraphFreedError, saved_tensors, storages
 from memlab.graphs.scan import Skipped, tensors_in
 from memlab.reports.frame import (
@@ -178,6 +179,7 @@ class RetainedReport(Result):
         )
 
 
+@users_traceback()
 def find_retained(
     namespace: Mapping[str, Any], *, depth: int = 3, skip: Container[str] = ()
 ) -> RetainedReport:
@@ -186,6 +188,11 @@ def find_retained(
     Names starting with ``_`` and names in ``skip`` (IPython's own: In, Out, ...) are ignored.
     No code of the namespace's objects is run (see `memlab.graphs.scan`); what cannot be read
     is skipped and counted in the report's notes."""
+    if not isinstance(namespace, Mapping):
+        raise TypeError(
+            f"find_retained: namespace is a {type(namespace).__name__}: pass a mapping of names "
+            "to values (globals(), or a notebook's get_ipython().user_ns)."
+        )
     skipped = Skipped()
     plain: Any = namespace  # a dict's own items: a subclass's overrides do not run
     pairs = dict.items(plain) if issubclass(type(namespace), dict) else namespace.items()

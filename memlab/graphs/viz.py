@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memlab.core.autograd import iter_nodes
+from memlab.core.frames import users_traceback
 from memlab.graphs.args import output_tensors
 from memlab.graphs.capture import graph_of
 from memlab.reports.units import fmt_bytes
@@ -24,6 +25,7 @@ class TorchvizMissingError(ImportError):
     """torchviz could not be imported."""
 
 
+@users_traceback()
 def make_dot(
     var: Any,
     params: Mapping[str, torch.Tensor] | None = None,

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import ipywidgets as w
 
 from memlab.core import cuda
+from memlab.core.frames import described, users_traceback
 from memlab.estimate import estimate
 from memlab.estimate.gpus import GPU, GPUS
 from memlab.estimate.gpus import gpu as find_gpu
@@ -83,6 +84,7 @@ class Explorer(BudgetLimit):
     chart: w.Image
     timeline: w.Image
 
+    @users_traceback()
     def __init__(
         self,
         model_fn: ModelFn,
@@ -248,11 +250,12 @@ class Explorer(BudgetLimit):
         except WhatIfError as e:
             self._say(str(e), True)
         except Exception as e:  # the panel stays usable whatever the user's code raises
-            self._say(f"{type(e).__name__}: {e}", True)
-        except (SystemExit, KeyboardInterrupt) as e:  # raised by the user's code on its thread
-            if threading.current_thread() is threading.main_thread():
+            self._say(described(e), True)
+        except BaseException as e:  # SystemExit, GeneratorExit, the user's own: on its thread
+            main = threading.current_thread() is threading.main_thread()
+            if main and isinstance(e, (SystemExit, KeyboardInterrupt)):
                 raise  # (a Ctrl-C of the kernel's, where the panel runs on the main thread)
-            self._say(f"the step raised {type(e).__name__}{f': {e}' if str(e) else ''}", True)
+            self._say(f"the step raised {described(e)}", True)
         return None
 
     def _say(self, text: str, problem: bool = False) -> None:

@@ -4,10 +4,13 @@ work at the next step boundary, keeping what was found."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from memlab.core.frames import described
 
 #: How often the status line's elapsed time is refreshed, in seconds.
 TICK = 0.5
@@ -88,6 +91,10 @@ class Work:
     def _main(self, fn: Callable[[], Any]) -> None:
         try:
             fn()  # fn reports its own result and errors on the status line
+        except BaseException as e:  # (what it let through: said, never a dead thread's trace)
+            with contextlib.suppress(BaseException):
+                self.said()
+                self.say(f"the work stopped: {described(e)}", True)
         finally:
             self._done.set()
             for c in self.controls:

@@ -38,6 +38,20 @@ def check_since(value: Any) -> int:
     return value
 
 
+def check_ledger(value: Any) -> Any:
+    """``ledger``: a memlab Ledger, or None for the default one."""
+    from memlab.core.ledger import Ledger, default_ledger
+
+    if value is None:
+        return default_ledger()
+    if isinstance(value, Ledger):
+        return value
+    raise TypeError(
+        f"memlab.track: ledger must be a memlab Ledger or None, got {type(value).__name__}: "
+        "leave it out to use the default one."
+    )
+
+
 def check_label(value: Any) -> str | None:
     if value is None or type(value) is str:
         return value

@@ -10,12 +10,14 @@ from typing import Any
 
 import torch
 
+import memlab.region.args as region_args
 from memlab.core.accounting import Accountant
 from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.cuda_log import CudaLog, for_region
 from memlab.core.devices import Target, resolve
-from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.frames import users_traceback
+from memlab.core.ledger import Ledger
 from memlab.core.native.eligible import NativeNotStartedError, eligible
 from memlab.core.native.region import NativeRegion, hand_over_open
 from memlab.core.recorder import Recorder
@@ -54,6 +56,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         (the estimator's: a simulated GPU holds nothing from before the estimate).
     """
 
+    @users_traceback()  # (an argument refused: the error names it, without memlab's frames)
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -76,12 +79,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self.label = check_label(label)
         self._watch = watched(watch)
         self._inputs = weak_refs("inputs", inputs, (torch.Tensor,), "tensors")
-        if ledger is not None and not isinstance(ledger, Ledger):
-            raise TypeError(
-                f"memlab.track: ledger must be a memlab Ledger or None, got "
-                f"{type(ledger).__name__}: leave it out to use the default one."
-            )
-        self._ledger = ledger if ledger is not None else default_ledger()
+        self._ledger: Ledger = region_args.check_ledger(ledger)
         self._since = check_since(since)
         self._accountant: Accountant | None = None
         self._recorders: dict[str, Recorder | NativeRegion | CudaLog] = {}
@@ -97,6 +95,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._seconds = 0.0
 
     # -- the region -----------------------------------------------------------------------------
+    @users_traceback()
     def __enter__(self) -> track:
         if self._state != "new":
             raise RuntimeError("A track() object measures one region; create a new one.")

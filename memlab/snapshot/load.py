@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
@@ -17,6 +18,7 @@ from memlab.snapshot.trace import Trace, busiest, choose, reserving_most, source
 from memlab.snapshot.unpickle import SnapshotError
 
 
+@users_traceback()
 def load_snapshot(
     path: str | Path,
     device: int | None = None,
@@ -129,6 +131,7 @@ def _check_callable(f: object, name: str) -> None:
         )
 
 
+@users_traceback()
 def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> Snapshot:
     """A `Snapshot` from a snapshot dict (``torch.cuda.memory._snapshot()``)."""
     if not isinstance(data, Mapping):

@@ -15,6 +15,8 @@ import pickle
 from pathlib import Path
 from typing import Any, NoReturn
 
+from memlab.core.frames import users_traceback
+
 
 class SnapshotError(ValueError):
     """A file that is not a memory snapshot memlab can read, and why."""
@@ -23,7 +25,15 @@ class SnapshotError(ValueError):
 class SafeUnpickler(pickle.Unpickler):
     """An unpickler that builds plain containers, strings, bytes and numbers only."""
 
+    @users_traceback()
     def __init__(self, file: Any, name: str) -> None:
+        if not (
+            callable(getattr(file, "read", None)) and callable(getattr(file, "readline", None))
+        ):
+            raise TypeError(
+                f"SafeUnpickler: file is a {type(file).__name__}: pass a binary file open for "
+                "reading (open(path, 'rb')), with the name to give it in errors."
+            )
         super().__init__(file)
         self.name = name
 

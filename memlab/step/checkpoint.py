@@ -15,13 +15,20 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from memlab.core.frames import users_traceback
 from memlab.step.config import WhatIfError
 
 
+@users_traceback()
 def blocks(model: nn.Module) -> list[str]:
     """Module paths of repeated blocks: the children of each ModuleList or Sequential whose
     children (two or more) are all of one type, or of one family (`_one_family`: a hybrid
     stack's attention and Mamba layers). Nested repeats inside a block are left alone."""
+    if not isinstance(model, nn.Module):
+        raise WhatIfError(
+            f"blocks: model is a {type(model).__name__}: pass the nn.Module whose repeated "
+            "blocks to list (the model itself, not its class or output)."
+        )
     found: list[str] = []
     inside: set[str] = set()  # (each path's ancestors looked up: linear in the model's size)
     for path, module in model.named_modules():

@@ -28,6 +28,7 @@ from memlab.core.allocations import AllocationRecord
 from memlab.core.categories import Category
 from memlab.core.choices import Source, TimelineSource
 from memlab.core.devices import Target, resolve
+from memlab.core.frames import message_of
 from memlab.core.recorder import Phase
 from memlab.region import track
 from memlab.region.assemble import thin
@@ -89,7 +90,7 @@ def compiling(config: RunConfig, device: torch.device) -> Iterator[None]:
     except Exception as e:
         if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
             raise
-        name, text = type(e).__name__, str(e).strip()
+        name, text = type(e).__name__, message_of(e).strip()
         first = text.splitlines()[0] if text else ""
         # the backend failed (no compiler, no Triton), or dynamo could not trace the model
         backend = type(e).__module__.startswith("torch._inductor") or "Backend" in name

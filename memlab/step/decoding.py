@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.frames import message_of
 from memlab.step.config import RunConfig, WhatIfError
 from memlab.step.kvcache import cache_tensors
 
@@ -65,7 +66,7 @@ def within_positions(model: Any, config: RunConfig, prompt: int) -> Iterator[Non
         raise WhatIfError(
             f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) makes "
             f"{prompt + config.new_tokens:,}, past the {limit:,} positions "
-            f"{type(model).__name__}'s config allows ({e}): pass new_tokens ≤ "
+            f"{type(model).__name__}'s config allows ({message_of(e)}): pass new_tokens ≤ "
             f"{max(limit - prompt, 1):,}, or a shorter prompt."
         ) from e
 

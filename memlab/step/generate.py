@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from memlab.core.categories import Category
+from memlab.core.frames import message_of
 from memlab.step.config import RunConfig, WhatIfError
 from memlab.step.decoding import (
     cache_of,
@@ -138,8 +139,8 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
             raise
         raise WhatIfError(
             f"mode='generate' calls model(tokens, cache) for a model that is not a Hugging "
-            f"Face one, and this one refused ({e}): give its forward a cache argument (None "
-            "for the prompt) and return (logits, cache)."
+            f"Face one, and this one refused ({message_of(e)}): give its forward a cache "
+            "argument (None for the prompt) and return (logits, cache)."
         ) from e
     out = _pair(first)
     prefilled = held_bytes(out[1])

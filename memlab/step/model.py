@@ -16,7 +16,12 @@ from torch import nn
 
 from memlab.core import cuda
 from memlab.core.devices import DeviceError, resolve
-from memlab.core.frames import raised_by_memlab, through_torch_alone, users_unless_memlab_s
+from memlab.core.frames import (
+    message_of,
+    raised_by_memlab,
+    through_torch_alone,
+    users_unless_memlab_s,
+)
 from memlab.core.ledger import default_ledger, device_key
 from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
@@ -70,7 +75,7 @@ def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     except (WhatIfError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:
-        raise WhatIfError(f"{name} raised {type(e).__name__}: {e}") from e
+        raise WhatIfError(f"{name} raised {type(e).__name__}: {message_of(e)}") from e
 
 
 def users_call(name: str, how: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -82,7 +87,9 @@ def users_call(name: str, how: str, fn: Callable[..., Any], *args: Any) -> Any:
     except TypeError as e:
         tb = e.__traceback__
         if tb is not None and tb.tb_next is None:  # raised by the call itself: not entered
-            raise WhatIfError(f"{name} is called as {how}, and refused that: {e}.") from e
+            raise WhatIfError(
+                f"{name} is called as {how}, and refused that: {message_of(e)}."
+            ) from e
         users_unless_memlab_s(e)
         raise
     except Exception as e:
@@ -147,7 +154,7 @@ def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> 
     shown = ", ".join(f"{tuple(t.shape)} {str(t.dtype)[6:]}" for t in tensors[:4])
     more = ", ..." if len(tensors) > 4 else ""
     return WhatIfError(
-        f"the model's forward raised {type(e).__name__}: {str(e)[:300]}; on what "
+        f"the model's forward raised {type(e).__name__}: {message_of(e)[:300]}; on what "
         f"input_fn({batch}) returned ({len(tensors)} tensor(s): {shown}{more}): make input_fn "
         "return the shapes and dtypes the model takes."
     )

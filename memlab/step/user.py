@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from memlab.core.frames import users_unless_memlab_s
+from memlab.core.frames import message_of, users_unless_memlab_s
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
 from memlab.step.model import call, check_input, cpu_to, forward_error, users_call
@@ -66,8 +66,8 @@ class UserStep:
             if isinstance(e, TypeError) and refused_arguments(e):
                 raise WhatIfError(
                     f"the model's forward refused the {len(args)} argument(s) input_fn "
-                    f"returned ({e}). If input_fn returns (inputs, targets), give your own "
-                    "forward and loss: step_fn=lambda model, batch: "
+                    f"returned ({message_of(e)}). If input_fn returns (inputs, targets), give "
+                    "your own forward and loss: step_fn=lambda model, batch: "
                     "criterion(model(batch[0]), batch[1])."
                 ) from e
             wrapped = forward_error(e, batch, tensors)  # a shape or dtype the model refused
@@ -121,7 +121,7 @@ class UserStep:
         try:
             (scaler.scale(loss) if scaler is not None else loss).backward()
         except RuntimeError as e:
-            if self.step_fn is None or "a second time" not in str(e):
+            if self.step_fn is None or "a second time" not in message_of(e):
                 raise
             raise WhatIfError(
                 "step_fn ran backward through the loss it returned, but not into the model "
@@ -229,13 +229,13 @@ def grad_off_explained() -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if torch.is_grad_enabled() or "does not require grad" not in str(e):
+        if torch.is_grad_enabled() or "does not require grad" not in message_of(e):
             raise
         raise WhatIfError(
             "step_fn ran backward with grad off: mode='no_grad' and mode='inference_mode' run "
             "step_fn under torch.no_grad() / torch.inference_mode(), so its loss has no graph "
-            f"({e}). For a forward alone, return the output without calling backward; to "
-            "measure training, pass mode='train'."
+            f"({message_of(e)}). For a forward alone, return the output without calling "
+            "backward; to measure training, pass mode='train'."
         ) from e
 
 
@@ -259,7 +259,7 @@ def refused_arguments(e: TypeError) -> bool:
         tb = tb.tb_next
     where = tb.tb_frame.f_code.co_filename if tb is not None else ""
     words = ("positional argument", "unexpected keyword argument", "required positional")
-    return where.endswith(("module.py", "run.py")) and any(w in str(e) for w in words)
+    return where.endswith(("module.py", "run.py")) and any(w in message_of(e) for w in words)
 
 
 def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
