@@ -1,4 +1,6 @@
-"""Notebooks are tests too: each one in notebooks/ runs top to bottom in a fresh kernel."""
+"""Notebooks are tests too: each one in notebooks/ runs top to bottom, once in this environment
+(the course's in JupyterLab, in the browser tests; the others here, in a fresh kernel) and once
+in the Binder environment (tests/test_binder.py), and is committed executed."""
 
 from __future__ import annotations
 
@@ -15,8 +17,14 @@ def test_there_are_notebooks() -> None:
     assert NOTEBOOKS, "notebooks/ is empty"
 
 
+#: The course's notebooks run in JupyterLab itself (Run All, in Chromium: tests/test_browser.py)
+#: and in the Binder environment (tests/test_binder.py); the others run here, in a fresh kernel.
+COURSE = [p for p in NOTEBOOKS if not p.name.startswith("00-")]
+OTHERS = [p for p in NOTEBOOKS if p not in COURSE]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", OTHERS, ids=[p.stem for p in OTHERS])
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
@@ -27,8 +35,11 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
         o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
     ]
     assert not errors
-    # The committed copy was executed (every code cell has its count) and carries outputs, so a
-    # reader on GitHub sees results without running it.
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_committed_notebook_was_executed_and_carries_its_outputs(path: Path) -> None:
+    # so that a reader on GitHub sees results without running it
     committed = nbformat.read(path, as_version=4)
     code = [c for c in committed.cells if c.cell_type == "code" and c.source.strip()]
     assert all(c.execution_count for c in code), f"{path.name}: commit it executed"
