@@ -5,7 +5,8 @@ under a simulated caching allocator that logs what a real one would: each storag
 accounting's (``memlab.track("cpu", breakdown=True)``) of the same step, and against the
 simulated allocator's own figures, for models not written for memlab: a ResNet-style network
 built from torch.nn (a step, a checkpointed step, a forward in one region and its backward in
-the next) and a Hugging Face GPT-2 built from its config (a step, a KV cache)."""
+the next) and Hugging Face models built from their configs: GPT-2 (a step, a KV cache), Llama
+(AdamW, two micro-batches), BERT (SGD, gradients kept) and T5 (bf16 autocast)."""
 
 from __future__ import annotations
 
@@ -327,3 +328,91 @@ def test_generation_with_a_kv_cache_names_the_cache(simulated: Any) -> None:
     assert sum(tally.at_end.values()) == tally.after == end
     close(tally.at_end, truth.at_end, Category.KV_CACHE)
     assert tally.highest.get(Category.ACTIVATION, 0) == 0  # (no_grad: nothing saved)
+
+
+def _llama() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.LlamaForCausalLM(config), lambda ids: {"input_ids": ids, "labels": ids}
+
+
+def _bert() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=3,
+    )  # fmt: skip
+    labels = torch.tensor([0, 1, 2, 0])
+    return transformers.BertForSequenceClassification(config), lambda ids: {
+        "input_ids": ids,
+        "labels": labels,
+    }
+
+
+def _t5() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config), lambda ids: {
+        "input_ids": ids,
+        "labels": ids[:, :8].contiguous(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "style"),
+    [
+        (_llama, "adamw, two micro-batches"),
+        (_bert, "sgd, gradients kept (set_to_none=False)"),
+        (_t5, "adamw under bf16 autocast"),
+    ],
+    ids=["llama", "bert", "t5"],
+)
+def test_hugging_face_models_and_step_styles_match_tensor_accounting(
+    simulated: Any, build: Callable[[], Any], style: str
+) -> None:
+    torch.manual_seed(0)
+    model, batch_of = build()
+    ids = torch.randint(0, 256, (4, 16))
+    if style.startswith("sgd"):
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = 2 if "two micro" in style else 1
+    amp = "autocast" in style
+
+    def step() -> None:
+        for half in ids.chunk(micro):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = model(**batch_of(half)).loss / micro
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=not style.endswith("(set_to_none=False)"))
+
+    step()
+    with memlab.track("cpu", breakdown=True) as t:
+        step()
+    truth = t.report.breakdown
+    assert truth is not None
+    tally, _, end = through_the_log(simulated, step, tensors_of(model, opt, ids))
+    assert sum(tally.at_end.values()) == tally.after == end
+    assert sum(tally.at_peak.values()) == tally.peak
+    for role in (Category.ACTIVATION, Category.GRADIENT):
+        close(tally.highest, truth.highest, role)
+    for role in (Category.PARAMETER, Category.OPTIMIZER_STATE, Category.GRADIENT):
+        close(tally.at_end, truth.at_end, role)
