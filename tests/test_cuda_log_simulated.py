@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from cuda_stand_in import stand_in
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import memlab
 from memlab import Category
-from memlab.core import _torch, cuda_claim, cuda_log, cuda_older
+from memlab.core import cuda_log, cuda_older
 from memlab.core.cuda_trace import rounded
 
 
@@ -113,13 +114,7 @@ class _Counters:
 @pytest.fixture
 def simulated(monkeypatch: Any) -> Any:
     sim = SimulatedAllocator()
-    monkeypatch.setattr(cuda_claim.torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(cuda_claim.torch.cuda, "get_allocator_backend", lambda: "native")
-    monkeypatch.setattr(cuda_claim, "cuda_history_on", lambda: sim.on)
-    monkeypatch.setattr(cuda_log, "cuda_history_on", lambda: sim.on)
-    monkeypatch.setattr(cuda_log, "start_cuda_log", sim.start)
-    monkeypatch.setattr(_torch, "record_memory_history", sim.record)
-    monkeypatch.setattr(_torch, "memory_snapshot", sim.snapshot)
+    stand_in(monkeypatch, sim)
     # (the graphs from before are read on every device here: CPU tensors stand in for a GPU's)
     monkeypatch.setattr(
         cuda_older, "_cuda_addresses", lambda storages: [st.data_ptr() for st in storages]
@@ -202,6 +197,31 @@ def close(log: dict[Category, int], truth: dict[Category, int], role: Category) 
     assert 0 <= got - want <= SLACK, (role, got, want)
 
 
+def compared(
+    sim: SimulatedAllocator,
+    step: Callable[[], Any],
+    known: Iterable[Any],
+    highest: Iterable[Category],
+    at_end: Iterable[Category] = (),
+) -> Any:
+    """Runs ``step`` once (its state made), once under tensor accounting and once read from
+    the log: the log's figures add up to the simulated allocator's, and each role of
+    ``highest`` and ``at_end`` is tensor accounting's, rounded to blocks. The log's tally."""
+    step()
+    with memlab.track("cpu", breakdown=True) as t:
+        step()
+    truth = t.report.breakdown
+    assert truth is not None
+    tally, _, end = through_the_log(sim, step, known)
+    assert sum(tally.at_end.values()) == tally.after == end
+    assert sum(tally.at_peak.values()) == tally.peak
+    for role in highest:
+        close(tally.highest, truth.highest, role)
+    for role in at_end:
+        close(tally.at_end, truth.at_end, role)
+    return tally
+
+
 def test_a_training_step_matches_tensor_accounting_and_the_allocator(simulated: Any) -> None:
     torch.manual_seed(0)
     model = resnet_like()
@@ -213,18 +233,13 @@ def test_a_training_step_matches_tensor_accounting_and_the_allocator(simulated: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # (momentum made before)
-    with memlab.track("cpu", breakdown=True) as t:
-        step()
-    truth = t.report.breakdown
-    assert truth is not None
-    tally, _, end = through_the_log(simulated, step, tensors_of(model, opt, x, y))
-    assert tally.after == end and sum(tally.at_end.values()) == end
-    assert sum(tally.at_peak.values()) == tally.peak
-    for role in (Category.ACTIVATION, Category.GRADIENT, Category.INPUT):
-        close(tally.highest, truth.highest, role)
-    for role in (Category.PARAMETER, Category.OPTIMIZER_STATE, Category.BUFFER):
-        close(tally.at_end, truth.at_end, role)
+    tally = compared(
+        simulated,
+        step,
+        tensors_of(model, opt, x, y),
+        highest=(Category.ACTIVATION, Category.GRADIENT, Category.INPUT),
+        at_end=(Category.PARAMETER, Category.OPTIMIZER_STATE, Category.BUFFER),
+    )
     assert tally.at_end[Category.ACTIVATION] == tally.at_end[Category.GRADIENT] == 0
     assert tally.highest[Category.ACTIVATION] >= 8 * 16 * 32 * 32 * 4 * 10  # (the convs' outputs)
 
@@ -268,17 +283,13 @@ def test_a_hugging_face_gpt2_step_matches_tensor_accounting(simulated: Any) -> N
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    with memlab.track("cpu", breakdown=True) as t:
-        step()
-    truth = t.report.breakdown
-    assert truth is not None
-    tally, _, end = through_the_log(simulated, step, tensors_of(model, opt, ids))
-    assert sum(tally.at_end.values()) == tally.after == end
-    for role in (Category.ACTIVATION, Category.GRADIENT):
-        close(tally.highest, truth.highest, role)
-    for role in (Category.PARAMETER, Category.OPTIMIZER_STATE):
-        close(tally.at_end, truth.at_end, role)
+    compared(
+        simulated,
+        step,
+        tensors_of(model, opt, ids),
+        highest=(Category.ACTIVATION, Category.GRADIENT),
+        at_end=(Category.PARAMETER, Category.OPTIMIZER_STATE),
+    )
 
 
 def test_a_checkpointed_step_matches_tensor_accounting(simulated: Any) -> None:
@@ -297,15 +308,12 @@ def test_a_checkpointed_step_matches_tensor_accounting(simulated: Any) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    with memlab.track("cpu", breakdown=True) as t:
-        step()
-    truth = t.report.breakdown
-    assert truth is not None
-    tally, _, end = through_the_log(simulated, step, tensors_of(model, opt, x))
-    assert sum(tally.at_end.values()) == tally.after == end
-    for role in (Category.ACTIVATION, Category.GRADIENT):
-        close(tally.highest, truth.highest, role)
+    compared(
+        simulated,
+        step,
+        tensors_of(model, opt, x),
+        highest=(Category.ACTIVATION, Category.GRADIENT),
+    )
 
 
 def test_generation_with_a_kv_cache_names_the_cache(simulated: Any) -> None:
@@ -404,15 +412,10 @@ def test_hugging_face_models_and_step_styles_match_tensor_accounting(
         opt.step()
         opt.zero_grad(set_to_none=not style.endswith("(set_to_none=False)"))
 
-    step()
-    with memlab.track("cpu", breakdown=True) as t:
-        step()
-    truth = t.report.breakdown
-    assert truth is not None
-    tally, _, end = through_the_log(simulated, step, tensors_of(model, opt, ids))
-    assert sum(tally.at_end.values()) == tally.after == end
-    assert sum(tally.at_peak.values()) == tally.peak
-    for role in (Category.ACTIVATION, Category.GRADIENT):
-        close(tally.highest, truth.highest, role)
-    for role in (Category.PARAMETER, Category.OPTIMIZER_STATE, Category.GRADIENT):
-        close(tally.at_end, truth.at_end, role)
+    compared(
+        simulated,
+        step,
+        tensors_of(model, opt, ids),
+        highest=(Category.ACTIVATION, Category.GRADIENT),
+        at_end=(Category.PARAMETER, Category.OPTIMIZER_STATE, Category.GRADIENT),
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cuda_stand_in import stand_in
 
 from memlab.core.categories import Category
 from memlab.core.cuda_claim import ENV, why_not
@@ -392,18 +393,10 @@ class FakeAllocator:
     """The seam's CUDA calls, answered as a GPU would, for the log's plumbing on a CPU."""
 
     def __init__(self, monkeypatch: Any, events: list[dict[str, Any]], alive: list[Any]) -> None:
-        from memlab.core import _torch, cuda_claim, cuda_log
-
         self.on = False
         self.events, self.alive = events, alive
         self.reads = 0
-        monkeypatch.setattr(cuda_claim.torch.cuda, "is_initialized", lambda: True)
-        monkeypatch.setattr(cuda_claim.torch.cuda, "get_allocator_backend", lambda: "native")
-        monkeypatch.setattr(cuda_claim, "cuda_history_on", lambda: self.on)
-        monkeypatch.setattr(cuda_log, "cuda_history_on", lambda: self.on)
-        monkeypatch.setattr(cuda_log, "start_cuda_log", self.start)
-        monkeypatch.setattr(_torch, "record_memory_history", self.record)
-        monkeypatch.setattr(_torch, "memory_snapshot", self.snapshot)
+        stand_in(monkeypatch, self)
 
     def start(self, n: int) -> None:
         self.on = True

@@ -145,14 +145,14 @@ def test_the_panel_says_what_a_step_raising_a_base_exception_raised(kind: type) 
 
 
 def test_the_panel_says_an_error_whose_message_cannot_be_read() -> None:
-    class Unprintable(Exception):
+    class UnprintableError(Exception):
         def __str__(self) -> str:
             raise RuntimeError("no message")
 
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        raise Unprintable
+        raise UnprintableError
 
     ex = memlab.Explorer(lambda: nn.Linear(4, 4), lambda b: torch.randn(b, 4), loss_fn=loss_fn)
     ex.run_button.click()
     ex.wait(60)
-    assert "Unprintable" in ex.message and "could not be read" in ex.message, ex.message
+    assert "UnprintableError" in ex.message and "could not be read" in ex.message, ex.message
