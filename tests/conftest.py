@@ -189,6 +189,14 @@ def run(ip: Any, source: str) -> Any:
     return ip.run_cell(source, store_history=True)
 
 
+@pytest.fixture(scope="session")
+def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The Binder environment's variables (tests/binder_env.py), built once a session."""
+    from binder_env import build
+
+    return build(tmp_path_factory.mktemp("binder"))
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Headless Chromium for the browser tests (one per test module)."""

@@ -60,8 +60,11 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, poll: float = 
 class LabServer:
     """``jupyter lab`` serving ``root``, with every Jupyter folder under ``home``."""
 
-    def __init__(self, root: Path, home: Path) -> None:
+    def __init__(self, root: Path, home: Path, environment: dict[str, str] | None = None) -> None:
+        """``environment``: the variables of another Python environment to serve from (its
+        ``VIRTUAL_ENV``, ``PATH`` and ``HOME``: the Binder one); by default this one's."""
         self.root, self.home = root, home
+        self.environment = environment
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "jupyterlab.log"
@@ -80,7 +83,7 @@ class LabServer:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
         env = {
-            **os.environ,
+            **(self.environment or os.environ),
             "JUPYTER_CONFIG_DIR": str(self.home / "config"),
             "JUPYTER_RUNTIME_DIR": str(self.home / "runtime"),
             "JUPYTER_DATA_DIR": str(self.home / "data"),
@@ -89,8 +92,13 @@ class LabServer:
             "IPYTHONDIR": str(self.home / "ipython"),
             "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         }
+        python = (
+            str(Path(self.environment["VIRTUAL_ENV"]) / "bin" / "python")
+            if self.environment
+            else sys.executable
+        )
         cmd = [
-            sys.executable, "-m", "jupyter", "lab",
+            python, "-m", "jupyter", "lab",
             "--no-browser",
             "--ip=127.0.0.1",
             f"--port={self.port}",

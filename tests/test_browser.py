@@ -104,7 +104,11 @@ g""",
 
 # -- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+def lab(
+    tmp_path_factory: pytest.TempPathFactory, binder_env: dict[str, str]
+) -> Iterator[LabServer]:
+    """JupyterLab served from the Binder environment (tests/binder_env.py): the course runs
+    where a reader on Binder runs it."""
     root = tmp_path_factory.mktemp("lab-root")
     notebook(root / "magic.ipynb", *MAGIC)
     notebook(root / "panel.ipynb", *PANEL)
@@ -121,7 +125,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     for folder in ("solutions", "data"):
         if (ROOT / "notebooks" / folder).is_dir():
             shutil.copytree(ROOT / "notebooks" / folder, root / folder)
-    server = LabServer(root, tmp_path_factory.mktemp("lab-home"))
+    server = LabServer(root, tmp_path_factory.mktemp("lab-home"), binder_env)
     server.start()
     yield server
     server.stop()

@@ -479,10 +479,39 @@ def test_a_history_the_program_sets_inside_the_region_is_left_on(monkeypatch: An
     assert any("left as the program set it" in n for n in log.notes)
     t = log.tally(True)
     assert t.at_end is not None and t.at_end[Category.OTHER] == 512
+    assert any("may miss what came before" in n for n in log.notes)  # (it may have been cut)
     assert not cuda_claim._OPEN
     log2, fake2 = opened(monkeypatch, [], [])  # a region without it: its own history goes off
     log2.stop()
     assert not fake2.on and torch.cuda.memory._record_memory_history is programs_own
+
+
+def test_a_program_call_that_failed_or_a_wrapper_left_behind_takes_nothing(
+    monkeypatch: Any,
+) -> None:
+    import gc
+    import weakref
+
+    import torch
+
+    def programs_own(enabled: Any = "all", **kwargs: Any) -> None:
+        if "bogus" in kwargs:
+            raise TypeError("unexpected keyword argument 'bogus'")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", programs_own)
+    log, fake = opened(monkeypatch, [ev("alloc", 100, 512, 1e18)], [(100, 512)])
+    with pytest.raises(TypeError):
+        torch.cuda.memory._record_memory_history(bogus=1)  # refused: nothing was set
+    watching = torch.cuda.memory._record_memory_history
+    torch.cuda.memory._record_memory_history = lambda *a, **k: watching(*a, **k)  # a tool's
+    log.stop()
+    assert not fake.on and log.tally(True).at_end is not None  # memlab's own, turned off
+    gone = weakref.ref(log)
+    del log
+    gc.collect()
+    assert gone() is None  # (the wrapper the tool keeps holds nothing of the region's)
+    watching()  # and passes calls on
+    torch.cuda.memory._record_memory_history = programs_own
 
 
 def test_a_log_restarted_inside_the_region_says_so(monkeypatch: Any) -> None:

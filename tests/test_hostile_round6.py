@@ -156,3 +156,25 @@ def test_the_panel_says_an_error_whose_message_cannot_be_read() -> None:
     ex.run_button.click()
     ex.wait(60)
     assert "UnprintableError" in ex.message and "could not be read" in ex.message, ex.message
+
+
+def test_a_bug_of_memlabs_converted_to_a_refusal_keeps_memlabs_frames(monkeypatch: Any) -> None:
+    import memlab.snapshot.load as load
+
+    where = load.__file__.replace("load.py", "a_bug.py")  # (code in memlab's own folder)
+    scope: dict[str, Any] = {}
+    exec(compile("def largest(trace):\n    return {}['no such key']\n", where, "exec"), scope)
+    monkeypatch.setattr(load, "largest", scope["largest"])
+    segment = {"device": 0, "address": 0, "total_size": 512, "blocks": []}
+    with pytest.raises(memlab.snapshot.SnapshotError) as info:
+        load.from_dict({"segments": [segment]}, "x")
+    assert memlab_frames(info.value)  # to be reported: the KeyError was memlab's own
+
+
+def test_a_base_exception_in_a_panel_run_on_the_main_thread_propagates() -> None:
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        raise UsersOwn("a test's own outcome")
+
+    ex = memlab.Explorer(lambda: nn.Linear(4, 4), lambda b: torch.randn(b, 4), loss_fn=loss_fn)
+    with pytest.raises(UsersOwn):
+        ex.run()  # (on the caller's thread: the caller's own exception, not a status line)

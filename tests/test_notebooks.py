@@ -1,6 +1,7 @@
-"""Notebooks are tests too: each one in notebooks/ runs top to bottom, once in this environment
-(the course's in JupyterLab, in the browser tests; the others here, in a fresh kernel) and once
-in the Binder environment (tests/test_binder.py), and is committed executed."""
+"""Notebooks are tests too: each one in notebooks/ runs top to bottom and is committed executed.
+The course's run in JupyterLab served from the Binder environment (tests/test_browser.py); the
+others run here, in a fresh kernel of this environment, and in the Binder one
+(tests/test_binder.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ def test_there_are_notebooks() -> None:
     assert NOTEBOOKS, "notebooks/ is empty"
 
 
-#: The course's notebooks run in JupyterLab itself (Run All, in Chromium: tests/test_browser.py)
-#: and in the Binder environment (tests/test_binder.py); the others run here, in a fresh kernel.
+#: The course's notebooks run in JupyterLab (Run All, in Chromium: tests/test_browser.py).
 COURSE = [p for p in NOTEBOOKS if not p.name.startswith("00-")]
 OTHERS = [p for p in NOTEBOOKS if p not in COURSE]
 

@@ -153,6 +153,10 @@ def test_a_few_bytes_listing_millions_of_blocks_are_refused_at_once(tmp_path: Pa
     ):
         with pytest.raises(SnapshotError, match="lists 1,100,000 blocks in 1,100 segments"):
             read()
+    many = tmp_path / "segments.pickle"  # a segment listed 200,000 times
+    many.write_bytes(pickle.dumps({"segments": [dict(segment, blocks=[])] * 200_000}))
+    with pytest.raises(SnapshotError, match="lists 200,000 segments"):
+        load_snapshot(many)
     small = tmp_path / "small.pickle"  # (below the limit: read)
     small.write_bytes(pickle.dumps({"segments": [segment] * 10, "device_traces": [[]]}))
     assert load_snapshot(small).allocated == 10 * 1000 * 512

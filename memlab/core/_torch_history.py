@@ -40,13 +40,18 @@ def watch_history(called: Callable[[], None]) -> Callable[[], None]:
     Checked 2.4.1, 2.11."""
     memory = torch.cuda.memory
     original = memory._record_memory_history
+    # (emptied when put back: a wrapper that other code keeps in place holds nothing of ours)
+    told = [called]
 
     @functools.wraps(original)
     def record_memory_history(*args: Any, **kwargs: Any) -> Any:
-        called()
-        return original(*args, **kwargs)
+        done = original(*args, **kwargs)  # (a call that raises set nothing)
+        for tell in told:
+            tell()
+        return done
 
     def put_back() -> None:
+        told.clear()
         with PATCH_LOCK:
             if memory._record_memory_history is record_memory_history:
                 memory._record_memory_history = original

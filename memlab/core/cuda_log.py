@@ -221,7 +221,8 @@ class CudaLog:
                     _torch.record_memory_history(False)
         traces = snap.get("device_traces") or []
         events = traces[self.index] if self.index < len(traces) else []
-        self._complete = len(events) < MAX_EVENTS
+        # (the program's own setting may have cleared the log or bounded it)
+        self._complete = len(events) < MAX_EVENTS and not self._history_taken
         t0 = self._t0 - 1000
         if events and events[0].get("time_us", t0) < t0:  # an earlier recording's (2.4 kept them)
             events = [e for e in events if e.get("time_us", t0) >= t0]

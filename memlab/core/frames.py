@@ -159,12 +159,22 @@ def described(e: BaseException) -> str:
 _RAISE = dis.opmap["RAISE_VARARGS"]
 
 
+#: What a refused argument is raised as (their subclasses too: DeviceError, WhatIfError, ...).
+_REFUSALS = (TypeError, ValueError, OSError)
+
+
 def said_by_memlab(e: BaseException) -> bool:
-    """Whether memlab's own code raised ``e`` on purpose: a ``raise`` statement of memlab's
-    with an error that says what to pass (an argument refused). An error Python raised inside
-    memlab's code (a bug of memlab's, an ``assert``) is not."""
+    """Whether memlab refused an argument with ``e``: a ``raise`` statement of memlab's own of
+    a TypeError, ValueError or OSError; where it was raised from another error, that one came
+    straight from what the raising code called (``torch.device`` refusing a string), not from
+    deeper in memlab. An error Python raised inside memlab's code, an ``assert``, an invariant
+    memlab checks (a RuntimeError) or a conversion of an error from memlab's own code may be a
+    bug of memlab's: not this."""
     entries = _entries(e)
-    if not entries or not isinstance(e, Exception) or isinstance(e, AssertionError):
+    if not entries or not isinstance(e, _REFUSALS):
+        return False
+    before = e.__cause__ or e.__context__
+    if before is not None and any(_file(t).startswith(_MEMLAB) for t in _entries(before)[1:]):
         return False
     tb = entries[-1]
     code = tb.tb_frame.f_code.co_code
@@ -173,7 +183,7 @@ def said_by_memlab(e: BaseException) -> bool:
         _file(tb).startswith(_MEMLAB)
         and 0 <= at < len(code) - 1
         and code[at] == _RAISE
-        and code[at + 1] > 0  # (``raise X``; a bare ``raise`` passes on what it caught)
+        and code[at + 1] > 0  # (``raise X``, ``raise X from Y``; a bare ``raise`` passes it on)
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from memlab.core.frames import message_of
 from memlab.estimate.values import data_dependent
 
 #: Where library code lives: frames there are not the user's.
@@ -25,7 +26,7 @@ _TWO_DEVICES = ("not on the expected device", "same device", "to be on the same 
 
 def on_meta(e: BaseException) -> str | None:
     """The message for an error the user's code met on meta, or None if it is not one."""
-    text = str(e)
+    text = message_of(e)
     if not isinstance(e, (RuntimeError, NotImplementedError)) or "meta" not in text:
         return None
     said = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

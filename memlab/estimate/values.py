@@ -15,6 +15,8 @@ from types import FrameType
 
 import torch
 
+from memlab.core.frames import message_of
+
 #: Where torch and memlab live: frames there are neither the user's nor a model library's.
 _LIBRARIES = tuple(
     str(Path(m.__file__).parent) for m in (torch, sys.modules["memlab"]) if m.__file__
@@ -35,7 +37,7 @@ def data_dependent(e: BaseException) -> str:
             library, read = installed(name), _tensors_read(frame, text)
             break
     said = f"the step needs a tensor's values{where} ({type(e).__name__}: "
-    said += f"{str(e).splitlines()[0]}). An estimate runs on the meta device, where tensors "
+    said += f"{message_of(e).splitlines()[0]}). An estimate runs on the meta device, where tensors "
     said += "have shapes but no values: "
     if library is None:
         return said + (

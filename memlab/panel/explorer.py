@@ -252,9 +252,8 @@ class Explorer(BudgetLimit):
         except Exception as e:  # the panel stays usable whatever the user's code raises
             self._say(described(e), True)
         except BaseException as e:  # SystemExit, GeneratorExit, the user's own: on its thread
-            main = threading.current_thread() is threading.main_thread()
-            if main and isinstance(e, (SystemExit, KeyboardInterrupt)):
-                raise  # (a Ctrl-C of the kernel's, where the panel runs on the main thread)
+            if threading.current_thread() is threading.main_thread():
+                raise  # (a Ctrl-C of the kernel's, or the caller's own, where it runs there)
             self._say(f"the step raised {described(e)}", True)
         return None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,10 +92,12 @@ class Work:
     def _main(self, fn: Callable[[], Any]) -> None:
         try:
             fn()  # fn reports its own result and errors on the status line
-        except BaseException as e:  # (what it let through: said, never a dead thread's trace)
+        except BaseException as e:  # (what fn let through: a bug of memlab's, said and shown)
             with contextlib.suppress(BaseException):
                 self.said()
                 self.say(f"the work stopped: {described(e)}", True)
+                if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    traceback.print_exception(e)  # (to the kernel's stderr, as a thread's would)
         finally:
             self._done.set()
             for c in self.controls:

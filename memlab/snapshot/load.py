@@ -75,13 +75,21 @@ def load_snapshot(
 #: pickle can list one block again and again in a few bytes (its memo), and millions of them
 #: would take minutes and gigabytes to read.
 MAX_BLOCKS = 1_000_000
+#: Segments read at most: each is at least 2 MiB of a GPU (80 GiB: 40,960 of them).
+MAX_SEGMENTS = 100_000
 
 
 def check_blocks(segments: Any, name: str) -> None:
-    """A `SnapshotError` where ``segments`` list more than `MAX_BLOCKS` blocks (counted
-    without reading them)."""
+    """A `SnapshotError` where ``segments`` are more than `MAX_SEGMENTS` or list more than
+    `MAX_BLOCKS` blocks (counted without reading them)."""
     if not isinstance(segments, (list, tuple)):
         return  # (the layout's own check says what is wrong)
+    if len(segments) > MAX_SEGMENTS:
+        raise SnapshotError(
+            f"{name} lists {len(segments):,} segments, more than memlab reads ({MAX_SEGMENTS:,}; "
+            "a GPU of 80 GiB holds at most 40,960): pass a file written by "
+            "torch.cuda.memory._dump_snapshot."
+        )
     n = 0
     for s in segments:
         blocks = s.get("blocks") if isinstance(s, Mapping) else None
