@@ -27,6 +27,9 @@ def test_binder_environment_has_what_the_course_needs(binder_env: dict[str, str]
     # postBuild's IPython config loads memlab in every kernel of the Binder image
     config = Path(out[2]) / "profile_default" / "ipython_config.py"
     assert "memlab" in config.read_text()
+    # postBuild compiled the native record and its hooks: a reader's first cells never wait
+    built = sorted(p.name for p in (Path(binder_env["HOME"]) / ".cache" / "memlab").glob("*.so"))
+    assert len(built) >= 2, built
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
