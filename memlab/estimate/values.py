@@ -37,8 +37,9 @@ def data_dependent(e: BaseException) -> str:
             library, read = installed(name), _tensors_read(frame, text)
             break
     said = f"the step needs a tensor's values{where} ({type(e).__name__}: "
-    said += f"{message_of(e).splitlines()[0]}). An estimate runs on the meta device, where tensors "
-    said += "have shapes but no values: "
+    first = (message_of(e).splitlines() or [""])[0]  # (an error without a message has none)
+    said += f"{first}). An estimate runs on the meta device, where tensors have shapes but "
+    said += "no values: "
     if library is None:
         return said + (
             "make that code not depend on values while estimating (e.g. `if not x.is_meta:` "
