@@ -22,6 +22,7 @@ from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.collectives import Collectives, is_collective
 from memlab.core.cuda_names import is_log_pack
+from memlab.core.frames import described
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native.objects import HANDED
 from memlab.core.native.roles import native_pack
@@ -211,10 +212,7 @@ class Accountant(Roles):
 
     def _error(self, e: Exception, what: str = "") -> None:
         if len(self.errors) < 5:
-            try:
-                said = f"{type(e).__name__}: {e}"
-            except Exception:  # an exception whose __str__ raises too
-                said = type(e).__name__
+            said = described(e)  # (safe from an exception whose __str__ raises too)
             self.errors.append(f"{what} ({said})" if what else said)
 
     def _safely(self, what: str, fn: Any, *args: Any) -> None:

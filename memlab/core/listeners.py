@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from memlab.core.frames import described
 from memlab.core.storages import Listener
 
 
@@ -47,10 +48,6 @@ class Listeners:
 
     def _failed(self, listener: Listener, e: Exception) -> None:
         self.failures += 1
-        try:
-            said = f"{type(e).__name__}: {e}"
-        except Exception:  # an exception whose __str__ raises too
-            said = type(e).__name__
-        note = f"{type(listener).__name__} failed: {said}"
+        note = f"{type(listener).__name__} failed: {described(e)}"
         if not self.failure_notes or self.failure_notes[-1] != note:
             self.failure_notes[:] = [*self.failure_notes[-4:], note]  # the latest few
