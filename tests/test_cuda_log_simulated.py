@@ -47,13 +47,14 @@ class SimulatedAllocator(TorchDispatchMode):
                 self._follow(t.untyped_storage())
         return sum(rounded(size) for size in self.alive.values())
 
-    def _follow(self, st: Any) -> bool:
+    def _follow(self, st: Any) -> tuple[int, int] | None:
+        """(address, size) of a storage new to the allocator, now followed; else None."""
         addr, size = st.data_ptr(), st.nbytes()
         if addr == 0 or size == 0 or addr in self.alive:
-            return False
+            return None
         self.alive[addr] = size
         self._finalizers.append(weakref.finalize(st, self._freed, addr, size))
-        return True
+        return addr, size
 
     def _freed(self, addr: int, size: int) -> None:
         if self.alive.pop(addr, None) is not None and self.on:
@@ -62,14 +63,9 @@ class SimulatedAllocator(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and self._follow(t.untyped_storage()):
-                self.events.append(
-                    _event(
-                        "alloc",
-                        t.untyped_storage().data_ptr(),
-                        self.alive[t.untyped_storage().data_ptr()],
-                    )
-                )
+            made = self._follow(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+            if made is not None:
+                self.events.append(_event("alloc", *made))
         return out
 
     # -- the seam's CUDA calls, answered --------------------------------------------------------

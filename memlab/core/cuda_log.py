@@ -179,9 +179,8 @@ class CudaLog:
                 finally:
                     self._state = "stopped"
                     cuda_claim.release(self)
-                    if self._history_taken:
-                        self._history_ours = False
-                    if self._history_ours and cuda_history_on():  # (a Ctrl-C in the read)
+                    ours = self._history_ours and not self._history_taken  # (not the program's)
+                    if ours and cuda_history_on():  # (a Ctrl-C in the read)
                         with contextlib.suppress(Exception):
                             _torch.record_memory_history(False)
         if self._state == "stopped":
