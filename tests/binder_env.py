@@ -50,4 +50,5 @@ def build(base: Path) -> dict[str, str]:
 
 
 def python(env: dict[str, str]) -> str:
+    """The Python of the virtualenv whose variables are ``env``."""
     return str(Path(env["VIRTUAL_ENV"]) / "bin" / "python")

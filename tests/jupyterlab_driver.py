@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from binder_env import python as venv_python
+
 TOKEN = "memlab-browser-tests"
 CHROMIUM = "/usr/bin/chromium"
 #: Keep Chromium off the network (this machine's is closed) and quiet.
@@ -92,11 +94,7 @@ class LabServer:
             "IPYTHONDIR": str(self.home / "ipython"),
             "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         }
-        python = (
-            str(Path(self.environment["VIRTUAL_ENV"]) / "bin" / "python")
-            if self.environment
-            else sys.executable
-        )
+        python = venv_python(self.environment) if self.environment else sys.executable
         cmd = [
             python, "-m", "jupyter", "lab",
             "--no-browser",
