@@ -42,7 +42,8 @@ from torch import nn
 import memlab
 from memlab.core import _torch
 from memlab.core.categories import Category
-from memlab.core.cuda_trace import Settled, active_blocks, settle
+from memlab.core.cuda_settle import Settled, settle
+from memlab.core.cuda_trace import active_blocks
 
 MiB = 2**20
 

@@ -10,6 +10,9 @@
 #   validate   the estimator against the GPU -> benchmarks/results/estimator-gpu.{md,jsonl},
 #              with every measured run's allocator trace (validate-traces/)
 #   bench      %%gpumem, what-if and breakdown overhead -> benchmarks/results/{magic,whatif,breakdown}-gpu.md
+#   magic, breakdown, parts
+#              bench's %%gpumem and breakdown rows alone, and where a breakdown's time goes
+#              -> benchmarks/results/{magic,breakdown,cuda-log-parts}-gpu.md
 #   notebooks  every notebook, executed -> notebooks-gpu/*.ipynb
 #
 # Everything the stages write goes to $OUT (default /tmp/gpu-out) as one results.tar.gz, laid
@@ -84,10 +87,19 @@ for s in "$@"; do
         --out "$results/benchmarks/results/whatif-gpu.md"
       stage bench-breakdown 120 $py benchmarks/bench_gpu_breakdown.py \
         --out "$results/benchmarks/results/breakdown-gpu.md" ;;
+    magic)
+      stage bench-magic 240 $py benchmarks/bench_magic.py --repeat 200 \
+        --out "$results/benchmarks/results/magic-gpu.md" ;;
+    breakdown)
+      stage bench-breakdown 150 $py benchmarks/bench_gpu_breakdown.py \
+        --out "$results/benchmarks/results/breakdown-gpu.md" ;;
+    parts)
+      stage bench-parts 120 $py benchmarks/bench_cuda_log_parts.py --rounds 30 \
+        --out "$results/benchmarks/results/cuda-log-parts-gpu.md" ;;
     notebooks)
       stage notebooks 560 $py scripts/run_notebooks.py --jobs 4 --timeout 300 \
         --out "$results/notebooks-gpu" ;;
-    *) echo "unknown stage $s: cuda, tests, traces, validate, bench or notebooks" >&2 ;;
+    *) echo "unknown stage $s: cuda, tests, traces, validate, bench, magic, breakdown, parts or notebooks" >&2 ;;
   esac
 done
 

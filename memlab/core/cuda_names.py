@@ -186,21 +186,30 @@ class Names:
         except Exception:  # an optimizer whose own code raises: its bytes stay unnamed
             self.lost += 1
 
-    def _name_optimizer(self, opt: torch.optim.Optimizer, when: float | None) -> None:
+    def _name_optimizer(self, opt: torch.optim.Optimizer, named: set[int]) -> None:
+        """Names an optimizer's parameters, their gradients and its state at the end (the
+        parameters in ``named``, their modules', are named already)."""
         try:
             for group in opt.param_groups:
                 for p in group["params"]:
-                    self.mark(p, Category.PARAMETER, when)
+                    if id(p) in named:
+                        continue
+                    self.mark(p, Category.PARAMETER, None)
                     if p.grad is not None:
-                        self.mark(p.grad, Category.GRADIENT, when)
+                        self.mark(p.grad, Category.GRADIENT, None)
             for value in state_tensors(opt):
-                self.mark(value, Category.OPTIMIZER_STATE, when)
+                self.mark(value, Category.OPTIMIZER_STATE, None)
         except Exception:  # an optimizer whose own code raises: its bytes stay unnamed
             self.lost += 1
 
-    def _name_module(self, module: torch.nn.Module) -> None:
+    def _name_module(self, module: torch.nn.Module, named: set[int]) -> None:
+        """Names a module's parameters, their gradients and its buffers at the end, and adds
+        the parameters to ``named``."""
         try:
             for p in module.parameters():
+                if id(p) in named:
+                    continue
+                named.add(id(p))
                 self.mark(p, Category.PARAMETER, None)
                 if p.grad is not None:
                     self.mark(p.grad, Category.GRADIENT, None)
@@ -226,10 +235,11 @@ class Names:
                     continue
                 if grad is not None:
                     self.mark(grad, Category.GRADIENT, None)
+        named: set[int] = set()  # (the parameters named: a model's and its optimizer's once)
         for m in modules.values():
-            self._name_module(m)
+            self._name_module(m, named)
         for o in optimizers.values():
-            self._name_optimizer(o, None)
+            self._name_optimizer(o, named)
         self._modules, self._optimizers = {}, {}  # (after: a Ctrl-C above leaves them to a retry)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 from memlab.core.categories import PRIORITY, Category
@@ -68,8 +69,9 @@ def settle(
     ``unsaved``: (address, moment saved, moment the saving ended); ``complete``: False where
     the allocator said it dropped the log's first events."""
     log = Log(events, active_at_end)
-    older, order = log.older, log.order
-    known = sum(b[SIZE] for b in older.values())
+    older, order, signs = log.older, log.order, log.signs
+    kept_bytes = sum(log.kept.values())  # (the blocks from before alive at the end, in bulk)
+    known = kept_bytes + sum(b[SIZE] for b in older.values())
     complete = complete and known <= before  # (more from before than there was: a cut log)
     extra = before - known if complete and before > known else 0
     if extra and log.freed_older:  # what a kept-whole block from before held beyond its request
@@ -78,65 +80,87 @@ def settle(
     cutoff = NEVER if complete or not log.times else log.times[0] - SLACK_US
 
     unplaced = 0
+    at, at_end_of, kept_block = log.at, log.live.get, log.kept_block
     for addr, when, category in named:
-        if when is not None and when < cutoff:
+        if when is None:  # (most names are the end's: found without the moment's search)
+            found = at_end_of(addr) or kept_block(addr)
+        elif when < cutoff:
             continue
-        at = log.at(addr, when)
-        if at is None:
+        else:
+            found = at(addr, when)
+        if found is None:
             unplaced += 1
             continue
         rank = PRIORITY[category]
         if rank == _ACTIVATION:
-            at[SAVES] += 1
-        if rank < at[ROLE]:
-            at[ROLE] = rank
+            found[SAVES] += 1
+        if rank < found[ROLE]:
+            found[ROLE] = rank
     for addr, when in args:
-        at = log.at(addr, when) if when >= cutoff else None
-        if at is not None and at[START] == NEVER and at[ROLE] > _INPUT:
-            at[ROLE] = _INPUT
-    kept = {a for a in saved_before if a in older} if complete else set()
-    for addr in kept:
-        older[addr][ROLE] = min(older[addr][ROLE], _ACTIVATION)
+        found = at(addr, when) if when >= cutoff else None
+        if found is not None and found[START] == NEVER and found[ROLE] > _INPUT:
+            found[ROLE] = _INPUT
+    held: dict[int, list[Any]] = {}  # saved by a graph from before, and still from before
+    if complete:
+        for addr in saved_before:
+            b = older.get(addr) or log.kept_block(addr)
+            if b is not None:
+                held[addr] = b
+    for b in held.values():
+        b[ROLE] = min(b[ROLE], _ACTIVATION)
     sums = [0] * (_NONE + 1)
+    met_kept = 0  # (the bytes of blocks alive throughout that a name or a saving met)
     for b in older.values():
         if b[ROLE] == _NONE:
             b[ROLE] = _OTHER
-        elif b[ROLE] == _ACTIVATION and b[0] not in kept and complete:
+        elif b[ROLE] == _ACTIVATION and b[0] not in held and complete:
             b[ROLE] = _INPUT  # saved by the region, from before it: one of its inputs
         sums[b[ROLE]] += b[SIZE]
-    sums[_OTHER] += extra
+        if b[END] is None:
+            met_kept += b[SIZE]
+    sums[_OTHER] += extra + kept_bytes - met_kept
     for b in order:
         if b[ROLE] == _NONE:
             b[ROLE] = _TEMPORARY if b[END] is not None else _OTHER
     ends = _ends(log, unsaved, cutoff)
-    ends += [(len(order), older[a]) for a in kept if a in released and older[a][END] is None]
+    ends += [(len(order), b) for a, b in held.items() if a in released and b[END] is None]
 
-    total = peak = sum(sums)
-    at_peak, highest = list(sums), list(sums)
-    k = 0
-    for i, (b, sign) in enumerate(zip(order, log.signs, strict=True)):
-        while k < len(ends) and ends[k][0] <= i:  # savings over by now: the role ends
-            _unsave(ends[k][1], sums, highest)
-            k += 1
+    # the peak, from the running total alone (in C); then the roles' sums, replayed once
+    deltas = [b[SIZE] if s > 0 else -b[SIZE] for b, s in zip(order, signs, strict=True)]
+    totals = list(accumulate(deltas, initial=sum(sums)))
+    peak = max(totals)
+    at_peak_after = totals.index(peak) - 1  # (the event that first reached it; -1: the start)
+    at_peak = list(sums)
+    highest = list(sums)
+    n, k, m = len(order), 0, len(ends)
+    due = ends[0][0] if ends else n
+    for i, b in enumerate(order):
+        if i >= due:  # savings over by now: the role ends
+            while k < m and ends[k][0] <= i:
+                _unsave(ends[k][1], sums, highest)
+                k += 1
+            due = ends[k][0] if k < m else n
         r, size = b[ROLE], b[SIZE]
-        if sign > 0:
+        if signs[i] > 0:
             b[LIVE] = 1
-            total += size
             v = sums[r] = sums[r] + size
             if v > highest[r]:
                 highest[r] = v
-            if total > peak:
-                peak = total
-                at_peak = list(sums)
         else:
             b[LIVE] = 0
-            total -= size
             sums[r] -= size
+        if i == at_peak_after:
+            at_peak = list(sums)
     for _, b in ends[k:]:
         _unsave(b, sums, highest)
     at_end = [0] * (_NONE + 1)
+    exact = log.exact
     for addr, b in log.live.items():
-        at_end[b[ROLE]] += log.exact.get(addr, b[SIZE])
+        at_end[b[ROLE]] += exact[addr]
+    for b in older.values():
+        if b[END] is None:
+            at_end[b[ROLE]] += b[SIZE]
+    at_end[_OTHER] += kept_bytes - met_kept
     return Settled(
         before=before,
         peak=peak,
@@ -145,7 +169,7 @@ def settle(
         at_end=_named(at_end),
         highest=_named(highest),
         unplaced=unplaced,
-        blocks=sum(1 for s in log.signs if s > 0),
+        blocks=signs.count(1),
         complete=complete,
     )
 

@@ -42,35 +42,39 @@ def rounded(size: int) -> int:
 
 class Log:
     """One device's log of a region, as blocks: ``order`` holds each block at its alloc and
-    again at its free (``signs`` +1 / -1, ``times`` the moments); ``live`` the blocks alive at
-    the end by address; ``older`` those from before the region; ``exact`` the sizes the end's
-    snapshot gives; ``missing`` the blocks the log holds alive that the allocator does not."""
+    again at its free (``signs`` +1 / -1, ``times`` the moments); ``live`` the blocks handed out
+    in the region alive at the end by address; ``older`` the blocks from before the region met
+    so far (freed in it, or named: `at` makes one for an address alive from start to end when
+    it is first asked about); ``kept`` the bytes by address of those from before alive at the
+    end, met or not; ``exact`` the sizes the end's snapshot gives; ``missing`` the blocks the
+    log holds alive that the allocator does not.
+
+    A process holds many blocks from before a region that the region never touches (a model's
+    weights, a cache): they are counted in bulk (``kept``), not one by one."""
 
     def __init__(self, events: Iterable[Mapping[str, Any]], active_at_end: Iterable[Any]) -> None:
         live: dict[int, list[Any]] = {}
         by_addr: dict[int, list[list[Any]]] = {}
-        starts: dict[int, list[float]] = {}
         older: dict[int, list[Any]] = {}
         order: list[list[Any]] = []
         signs: list[int] = []
         times: list[float] = []
+        add, sign, moment = order.append, signs.append, times.append
         for e in events:
             action = e["action"]
             if action == "alloc":
                 addr, t, size = e["addr"], e["time_us"], e["size"]
-                b = [addr, 512 if size < 512 else (size + 511) & ~511, t, None, UNNAMED, 0, 0]
-                b.append(len(order))
+                b = [addr, 512 if size < 512 else (size + 511) & ~511, t, None, UNNAMED, 0, 0,
+                     len(order)]  # fmt: skip
                 live[addr] = b
                 mine = by_addr.get(addr)
                 if mine is None:
                     by_addr[addr] = [b]
-                    starts[addr] = [t]
                 else:
                     mine.append(b)
-                    starts[addr].append(t)
-                order.append(b)
-                signs.append(1)
-                times.append(t)
+                add(b)
+                sign(1)
+                moment(t)
             elif action == "free_requested":
                 addr, t = e["addr"], e["time_us"]
                 found = live.pop(addr, None)
@@ -78,48 +82,73 @@ class Log:
                     found = [addr, rounded(e["size"]), NEVER, None, UNNAMED, 0, 1, -1]
                     older[addr] = found
                 found[END] = t
-                order.append(found)
-                signs.append(-1)
-                times.append(t)
+                add(found)
+                sign(-1)
+                moment(t)
         self.freed_older = list(older.values())
-        self.exact: dict[int, int] = {}
-        for addr, size in active_at_end:
-            if addr in live:
-                self.exact[addr] = size
-            else:  # alive at the end, from before the region
-                live[addr] = older[addr] = [addr, size, NEVER, None, UNNAMED, 0, 1, -1]
-        self.missing = [b for a, b in live.items() if b[START] != NEVER and a not in self.exact]
+        kept = dict(active_at_end)  # (address -> size, in C: a process may hold many blocks)
+        self.exact: dict[int, int] = {a: kept.pop(a) for a in live if a in kept}
+        self.missing = [b for a, b in live.items() if a not in self.exact]
         for b in self.missing:  # (freed by another thread between the log's read and the end's)
             del live[b[ADDR]]
-        self.live, self.older, self.order, self.signs, self.times = (
+        for addr in older.keys() & kept.keys():  # (an older block's address, handed out again
+            del older[addr]  # and alive at the end: met as one alive throughout, as before)
+        self.live, self.older, self.kept, self.order, self.signs, self.times = (
             live,
             older,
+            kept,
             order,
             signs,
             times,
         )
-        self._by_addr, self._starts = by_addr, starts
+        self._by_addr = by_addr
+        self._starts: dict[int, list[float]] = {}
+
+    def met_older(self) -> list[list[Any]]:
+        """The blocks from before the region met so far (freed in it, or named)."""
+        return list(self.older.values())
+
+    def kept_block(self, addr: int) -> list[Any] | None:
+        """The block from before alive at the end at ``addr``, made when first asked about."""
+        size = self.kept.get(addr)
+        if size is None:
+            return None
+        b = self.older.get(addr)
+        if b is None or b[END] is not None:
+            b = self.older[addr] = [addr, size, NEVER, None, UNNAMED, 0, 1, -1]
+        return b
 
     def at(self, addr: int, when: float | None) -> list[Any] | None:
         """The block at ``addr`` alive at moment ``when`` (None: at the region's end)."""
         if when is None:
-            return self.live.get(addr)
-        mine = self._starts.get(addr)
-        if mine is not None:
-            blocks = self._by_addr[addr]
-            i = bisect.bisect_right(mine, when) - 1
-            if i >= 0 and (blocks[i][END] is None or blocks[i][END] >= when):
-                return blocks[i]
-            j = bisect.bisect_right(mine, when + SLACK_US) - 1
-            if j > i:
-                return blocks[j]
-            if i >= 0:
-                end = blocks[i][END]
-                return blocks[i] if end is not None and end >= when - SLACK_US else None
+            found = self.live.get(addr)
+            return found if found is not None else self.kept_block(addr)
+        blocks = self._by_addr.get(addr)
+        if blocks is not None:
+            if len(blocks) == 1:
+                b = blocks[0]  # (the usual case, as the bisection below would find it)
+                end = b[END]
+                if b[START] <= when:
+                    return b if end is None or end >= when - SLACK_US else None
+                if b[START] <= when + SLACK_US:
+                    return b
+            else:
+                mine = self._starts.get(addr)
+                if mine is None:
+                    mine = self._starts[addr] = [b[START] for b in blocks]
+                i = bisect.bisect_right(mine, when) - 1
+                if i >= 0 and (blocks[i][END] is None or blocks[i][END] >= when):
+                    return blocks[i]
+                j = bisect.bisect_right(mine, when + SLACK_US) - 1
+                if j > i:
+                    return blocks[j]
+                if i >= 0:
+                    end = blocks[i][END]
+                    return blocks[i] if end is not None and end >= when - SLACK_US else None
         old = self.older.get(addr)
         if old is not None and (old[END] is None or old[END] >= when - SLACK_US):
             return old
-        return None
+        return self.kept_block(addr) if old is None else None
 
 
 def active_blocks(snapshot: Mapping[str, Any], device: int) -> list[tuple[int, int]]:
