@@ -82,13 +82,13 @@ def main() -> None:
         return
     step, n = model_and_step()
 
-    snapshot = _torch.memory_snapshot  # (before it is timed as a part)
+    snapshot, record = _torch.memory_snapshot, _torch.record_memory_history  # (before timed)
 
     def history_alone() -> None:
         start_cuda_log(cuda_log.MAX_EVENTS)
         step(n)
         snapshot()
-        _torch.record_memory_history(False)
+        record(False)
 
     def tracked(breakdown: bool) -> Callable[[], None]:
         def run() -> None:
@@ -108,9 +108,12 @@ def main() -> None:
     _parts.clear()
     _sizes.clear()
     timed(cuda_log.CudaLog, "start", "log start (history on, hooks in)")
+    timed(cuda_log, "start_cuda_log", "  of which the history's start")
     timed(cuda_log.CudaLog, "stop", "log stop (hooks off, read, names at the end)")
     timed(_torch, "memory_snapshot", "  of which the snapshot")
     timed(cuda_names.Names, "at_end", "  of which the names at the end")
+    timed(cuda_log, "active_blocks", "  of which the blocks alive, read")
+    timed(_torch, "record_memory_history", "  of which the history's stop")
     timed(cuda_log, "settle", "the replay (settle)", count=True)
     walls: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.rounds):
