@@ -94,7 +94,7 @@ for s in "$@"; do
       stage bench-breakdown 150 $py benchmarks/bench_gpu_breakdown.py \
         --out "$results/benchmarks/results/breakdown-gpu.md" ;;
     parts)
-      stage bench-parts 120 $py benchmarks/bench_cuda_log_parts.py --rounds 30 \
+      stage bench-parts 120 $py benchmarks/bench_cuda_log_parts.py --rounds 30 --dump "$results/cuda-log-magic.json.gz" \
         --out "$results/benchmarks/results/cuda-log-parts-gpu.md" ;;
     notebooks)
       stage notebooks 560 $py scripts/run_notebooks.py --jobs 4 --timeout 300 \
