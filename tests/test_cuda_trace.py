@@ -69,6 +69,33 @@ def test_saved_tensors_and_gradients_match_the_dispatch_modes_breakdown(case: st
     }
 
 
+def test_a_loop_of_steps_logged_on_a_gpu_settles_to_the_allocator_and_the_models_shapes() -> None:
+    # %%gpumem -b's benchmark cell (benchmarks/bench_cuda_log_parts.py --dump, an H200): 17
+    # steps of Linear(2048, 8192) -> GELU -> Linear(8192, 2048), batch 256, SGD; each step's
+    # blocks come back at the same addresses, so each address has 17 lifetimes to tell apart
+    d = recorded("loop")
+    s = settle(
+        d["events"],
+        d["before"],
+        [tuple(b) for b in d["active_at_end"]],
+        [(a, w, Category(c)) for a, w, c in d["named"]],
+        args=[tuple(a) for a in d["args"]],
+        unsaved=[tuple(u) for u in d["unsaved"]],
+    )
+    assert s.complete and s.unplaced == 0
+    assert s.end == d["allocator"]["end"] == sum(s.at_end.values())
+    assert s.peak == d["allocator"]["peak"] == sum(s.at_peak.values())
+    f32, batch = 4, 256
+    weights = (2048 * 8192 + 8192 + 8192 * 2048 + 2048) * f32  # (each block a multiple of 512)
+    assert s.at_end[Category.PARAMETER] == s.at_peak[Category.PARAMETER] == weights
+    assert s.at_peak[Category.GRADIENT] == weights  # (the peak: every gradient made, none freed)
+    assert Category.GRADIENT not in s.at_end  # zero_grad(set_to_none=True)
+    # saved for backward: the first Linear's output (GELU's input), GELU's output (the second
+    # Linear's input) and the second Linear's output (square's input); the batch is an input
+    assert s.highest[Category.ACTIVATION] == (2 * batch * 8192 + batch * 2048) * f32
+    assert s.at_end[Category.INPUT] == batch * 2048 * f32
+
+
 def test_the_resnet_log_names_what_the_dispatch_mode_leaves_unattributed() -> None:
     d = recorded("resnet18")
     s = settled(d)
