@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -41,6 +44,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: each torch one thread, not two that wait for a core (OpenMP
+    # threads spin while they wait, and an oversubscribed step can take many times as long).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -191,10 +200,20 @@ def run(ip: Any, source: str) -> Any:
 
 @pytest.fixture(scope="session")
 def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The Binder environment's variables (tests/binder_env.py), built once a session."""
+    """The Binder environment's variables (tests/binder_env.py), built once a session: under
+    pytest-xdist (scripts/test.sh), by the first worker that asks, in the folder the workers
+    share, while the others wait for it."""
     from binder_env import build
 
-    return build(tmp_path_factory.mktemp("binder"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp("binder"))
+    shared = tmp_path_factory.getbasetemp().parent  # (each worker's base is a folder in it)
+    made = shared / "binder-env.json"
+    with FileLock(str(shared / "binder-env.lock")):
+        if not made.is_file():
+            env = build(shared / "binder")
+            made.write_text(json.dumps(env))
+        return json.loads(made.read_text())  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +225,4 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield from chromium(tmp_path_factory.mktemp("chromium"))
     except RuntimeError as e:  # Chromium missing: a failure that says how to get it
         pytest.fail(str(e))
+

@@ -178,3 +178,23 @@ def test_a_base_exception_in_a_panel_run_on_the_main_thread_propagates() -> None
     ex = memlab.Explorer(lambda: nn.Linear(4, 4), lambda b: torch.randn(b, 4), loss_fn=loss_fn)
     with pytest.raises(UsersOwn):
         ex.run()  # (on the caller's thread: the caller's own exception, not a status line)
+
+
+def test_a_region_used_out_of_order_is_refused_without_memlabs_frames() -> None:
+    def refused(call: Any, said: str) -> None:
+        with pytest.raises(RuntimeError, match=said) as caught:
+            call()
+        assert memlab_frames(caught.value) == [], memlab_frames(caught.value)
+
+    region = memlab.track("cpu")
+    refused(lambda: region.report, "still open: read .report after")
+    refused(lambda: region.__exit__(None, None, None), "__exit__ without __enter__")
+    refused(lambda: region.mark(torch.ones(2), memlab.Category.INPUT), "inside the region")
+    with region:
+        x = torch.ones(4)
+        with pytest.raises(RuntimeError, match="measures one region") as caught, region:
+            pass
+        assert memlab_frames(caught.value) == []
+        refused(lambda: region.report, "still open")
+    assert region.report.allocated_after >= x.nelement() * 4
+    refused(region.__enter__, "measures one region")

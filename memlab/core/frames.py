@@ -110,6 +110,14 @@ def the_users(e: BaseException) -> None:
         setattr(e, _USERS, True)
 
 
+def misuse(message: str) -> RuntimeError:
+    """The RuntimeError memlab raises for a call out of order (a region entered twice, its report
+    read while it is open), marked the user's (`the_users`): said without memlab's frames."""
+    e = RuntimeError(message)
+    the_users(e)
+    return e
+
+
 def users_unless_memlab_s(e: BaseException) -> None:
     """Marks ``e``, raised by what memlab called of the user's (their model, their step), as
     the user's (`the_users`), unless memlab's own code raised it (a bug, kept to be reported)."""

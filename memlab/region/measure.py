@@ -16,7 +16,7 @@ from memlab.core.categories import Category
 from memlab.core.cuda import CudaRegion
 from memlab.core.cuda_log import CudaLog, for_region
 from memlab.core.devices import Target, resolve
-from memlab.core.frames import users_traceback
+from memlab.core.frames import misuse, users_traceback
 from memlab.core.ledger import Ledger
 from memlab.core.native.eligible import NativeNotStartedError, eligible
 from memlab.core.native.region import NativeRegion, hand_over_open
@@ -98,7 +98,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     @users_traceback()
     def __enter__(self) -> track:
         if self._state != "new":
-            raise RuntimeError("A track() object measures one region; create a new one.")
+            raise misuse("A track() object measures one region; create a new one.")
         self._state = "open"
         opened(self)
         needs_accounting = (
@@ -180,11 +180,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 native.roles.mark(t, Category.INPUT)
         return True
 
+    @users_traceback()  # (misuse said without memlab's frames; a bug of memlab's keeps them)
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._state == "new":
-            raise RuntimeError(
+            raise misuse(
                 "memlab.track: __exit__ without __enter__; use it as `with memlab.track(...):`"
             )
         # A Ctrl-C while memlab closes the region waits until the region is closed and its
@@ -234,10 +235,11 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 for cr in self._cuda.values():
                     cr.close()
 
+    @users_traceback()
     def mark(self, t: torch.Tensor, category: Category) -> None:
         """Tell the open region what a tensor is (e.g. an input created inside the region)."""
         if self._state != "open":
-            raise RuntimeError("mark() works inside the region's `with` block.")
+            raise misuse("mark() works inside the region's `with` block.")
         if self._accountant is not None:
             self._accountant.mark(t, category)
         elif self._native is not None and self._native.roles is not None:
@@ -255,11 +257,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
 
     # -- results --------------------------------------------------------------------------------
     @property
+    @users_traceback()
     def reports(self) -> Reports:
         if self._state in ("new", "open"):
-            raise RuntimeError("The region is still open: read .report after the `with` block.")
+            raise misuse("The region is still open: read .report after the `with` block.")
         if self._state == "failed":
-            raise RuntimeError("the region never started: setting it up was stopped or failed")
+            raise misuse("the region never started: setting it up was stopped or failed")
         if self._reports is None:
             raise RuntimeError("memlab could not build this report.") from self._build_error
         return self._reports
@@ -271,6 +274,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         return sum(p.lost for p in parts if p is not None)
 
     @property
+    @users_traceback()
     def report(self) -> MemoryReport:
         """The report of the first (usually the only) device."""
         return self.reports[0]
