@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,8 +211,8 @@ def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     shared = tmp_path_factory.getbasetemp().parent  # (each worker's base is a folder in it)
     made = shared / "binder-env.json"
     with FileLock(str(shared / "binder-env.lock")):
-        if not made.is_file():
-            env = build(shared / "binder")
+        if not made.is_file():  # (a fresh folder each try: one that failed is left as it was)
+            env = build(Path(tempfile.mkdtemp(prefix="binder", dir=shared)))
             made.write_text(json.dumps(env))
         return json.loads(made.read_text())  # type: ignore[no-any-return]
 
@@ -225,4 +226,3 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield from chromium(tmp_path_factory.mktemp("chromium"))
     except RuntimeError as e:  # Chromium missing: a failure that says how to get it
         pytest.fail(str(e))
-

@@ -89,6 +89,11 @@ def watched(value: Any) -> Callable[[], Iterable[Any]] | list[weakref.ref[Any]]:
     return weak_refs("watch", value, WATCHABLE, "tensors, modules and optimizers")
 
 
+def alive(refs: list[Any]) -> list[Any]:
+    """The objects ``refs`` (from `weak_refs`) still refer to."""
+    return [o for o in (r() for r in refs) if o is not None]
+
+
 def called(fn: Callable[[], Any]) -> Iterable[Any]:
     """What a ``watch`` function returned, if it is something to iterate over."""
     found = fn()

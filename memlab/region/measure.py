@@ -22,7 +22,7 @@ from memlab.core.native.eligible import NativeNotStartedError, eligible
 from memlab.core.native.region import NativeRegion, hand_over_open
 from memlab.core.recorder import Recorder
 from memlab.core.warmup import warm_up
-from memlab.region.args import called, check_flag, check_label, check_since, watched, weak_refs
+from memlab.region.args import alive, called, check_flag, check_label, check_since, weak_refs
 from memlab.region.assemble import assemble
 from memlab.region.labels import labelled
 from memlab.region.overlap import notes as overlap_notes
@@ -77,7 +77,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self.reset_peak = check_flag("reset_peak", reset_peak)
         self.driver = check_flag("driver", driver)
         self.label = check_label(label)
-        self._watch = watched(watch)
+        self._watch = region_args.watched(watch)
         self._inputs = weak_refs("inputs", inputs, (torch.Tensor,), "tensors")
         self._ledger: Ledger = region_args.check_ledger(ledger)
         self._since = check_since(since)
@@ -113,7 +113,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 # with one, the record's own hooks learn roles: `since` needs the dispatch mode)
                 native = self._native_eligible() and not (keep and self._since)
                 wanted = self.breakdown and not (self.timeline or self._since)
-                log = for_region(self.targets, wanted, self._watched, lambda: _alive(self._inputs))
+                log = for_region(self.targets, wanted, self._watched, lambda: alive(self._inputs))
                 if log is not None:  # a breakdown on one GPU: the allocator's log
                     self._log = self._recorders[log.device] = log
                 elif not native or (not keep and (self._watch or self._inputs)):
@@ -138,7 +138,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 cr.begin()
             if self._accountant is not None and self._native is None:
                 self._accountant.install()
-                for t in _alive(self._inputs):  # told again: the recorders listen now
+                for t in alive(self._inputs):  # told again: the recorders listen now
                     self._accountant.mark(t, Category.INPUT)
         except BaseException:
             self._state = "failed"
@@ -153,7 +153,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     def _new_accountant(self) -> Accountant:
         acc = self._accountant = Accountant(self._ledger, self.breakdown)
         acc.watch(acc.first_look(self._watched(), self.breakdown))
-        for t in _alive(self._inputs):
+        for t in alive(self._inputs):
             acc.mark(t, Category.INPUT)
         return acc
 
@@ -176,7 +176,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._native = native
         self._recorders["cpu"] = native
         if native.roles is not None:
-            for t in _alive(self._inputs):
+            for t in alive(self._inputs):
                 native.roles.mark(t, Category.INPUT)
         return True
 
@@ -253,7 +253,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         return labelled(self._accountant, self._native, name)
 
     def _watched(self) -> Iterable[Any]:
-        return called(self._watch) if callable(self._watch) else _alive(self._watch)
+        return called(self._watch) if callable(self._watch) else alive(self._watch)
 
     # -- results --------------------------------------------------------------------------------
     @property
@@ -297,7 +297,3 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             timeline=self.timeline,
             driver=self.driver,
         )
-
-
-def _alive(refs: list[Any]) -> list[Any]:
-    return [o for o in (r() for r in refs) if o is not None]
