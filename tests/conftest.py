@@ -209,10 +209,16 @@ def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return build(tmp_path_factory.mktemp("binder"))
     shared = tmp_path_factory.getbasetemp().parent  # (each worker's base is a folder in it)
-    made = shared / "binder-env.json"
+    made, failed = shared / "binder-env.json", shared / "binder-env.failed"
     with FileLock(str(shared / "binder-env.lock")):
-        if not made.is_file():  # (a fresh folder each try: one that failed is left as it was)
-            env = build(Path(tempfile.mkdtemp(prefix="binder", dir=shared)))
+        if failed.is_file():  # (the first worker's build failed: its error, not a second build)
+            pytest.fail(f"the Binder environment did not build:\n{failed.read_text()}")
+        if not made.is_file():
+            try:
+                env = build(Path(tempfile.mkdtemp(prefix="binder", dir=shared)))
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
             made.write_text(json.dumps(env))
         return json.loads(made.read_text())  # type: ignore[no-any-return]
 

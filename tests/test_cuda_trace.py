@@ -372,6 +372,8 @@ def random_region(rng: random.Random) -> tuple[list[Any], int, list[Any], dict[s
         for a, when, c in named
         if c is Category.ACTIVATION and when is not None and rng.random() < 0.7
     ]
+    # savings whose names were let go (`Names` trims its lists apart), on any block
+    unsaved += [(rng.choice(addresses), m, m + 5) for m in moments if rng.random() < 0.1]
     saved = rng.sample(addresses, min(3, len(addresses)))
     extra = {
         "args": [(rng.choice(addresses), rng.choice(moments)) for _ in range(3)],
@@ -401,6 +403,13 @@ def test_random_logs_add_up_at_the_peak_and_end_and_peak_where_the_totals_do(see
         for c, v in s.highest.items():
             assert v >= s.at_peak.get(c, 0) and v >= s.at_end.get(c, 0)
         assert set(s.at_peak) | set(s.at_end) <= set(s.highest)
+
+
+def test_a_saving_without_its_name_on_a_block_from_before_is_counted_once() -> None:
+    # a block alive throughout, untouched by the log and unnamed, met only by a saving's end
+    s = settle([], 1024, [(4096, 1024)], [], unsaved=[(4096, 0.0, 1.0)])
+    assert s.end == sum(s.at_end.values()) == 1024 and s.at_end == {Category.OTHER: 1024}
+    assert s.peak == sum(s.at_peak.values()) == 1024
 
 
 def test_the_lifetime_that_holds_the_moment_wins_over_one_begun_just_after() -> None:

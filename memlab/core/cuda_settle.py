@@ -110,7 +110,8 @@ def settle(
         b[ROLE] = min(b[ROLE], _ACTIVATION)
     sums = [0] * (_NONE + 1)
     met_kept = 0  # (the bytes of blocks alive throughout that a name or a saving met)
-    for b in older.values():
+    met = list(older.values())  # (a saving's end looked up below may meet more: counted in bulk)
+    for b in met:
         if b[ROLE] == _NONE:
             b[ROLE] = _OTHER
         elif b[ROLE] == _ACTIVATION and b[0] not in held and complete:
@@ -157,7 +158,7 @@ def settle(
     exact = log.exact
     for addr, b in log.live.items():
         at_end[b[ROLE]] += exact[addr]
-    for b in older.values():
+    for b in met:
         if b[END] is None:
             at_end[b[ROLE]] += b[SIZE]
     at_end[_OTHER] += kept_bytes - met_kept

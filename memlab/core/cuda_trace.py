@@ -86,7 +86,9 @@ class Log:
                 sign(-1)
                 moment(t)
         self.freed_older = list(older.values())
-        kept = dict(active_at_end)  # (address -> size, in C: a process may hold many blocks)
+        # (address -> size, in C: a process may hold many blocks; an address listed twice,
+        # which no snapshot does, counts once, at its last size)
+        kept = dict(active_at_end)
         self.exact: dict[int, int] = {a: kept.pop(a) for a in live if a in kept}
         self.missing = [b for a, b in live.items() if a not in self.exact]
         for b in self.missing:  # (freed by another thread between the log's read and the end's)
@@ -103,10 +105,6 @@ class Log:
         )
         self._by_addr = by_addr
         self._starts: dict[int, list[float]] = {}
-
-    def met_older(self) -> list[list[Any]]:
-        """The blocks from before the region met so far (freed in it, or named)."""
-        return list(self.older.values())
 
     def kept_block(self, addr: int) -> list[Any] | None:
         """The block from before alive at the end at ``addr``, made when first asked about."""
