@@ -47,27 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-#: Test modules that share the session's Binder environment (`binder_env`).
-_BINDER = {"test_binder.py", "test_browser.py"}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadfile`` (scripts/test.sh): a test module to a worker, and the modules
-    sharing the Binder environment to one worker together, so that no worker waits while
-    another builds it (pytest-xdist's own ``loadgroup`` no longer groups under pytest 9.2)."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class ByModule(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return "binder" if module.rsplit("/", 1)[-1] in _BINDER else module
-
-    return ByModule(config, log)
-
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: each torch one thread, not two that wait for a core (OpenMP
     # threads spin while they wait, and an oversubscribed step can take many times as long).
