@@ -256,9 +256,9 @@ class OwnedMode(TorchDispatchMode):
         for mode in reversed(above):
             _pd._push_mode(mode)
         _sync_mode_flags()
-        new = [m for m in reversed(above) if not any(m is b for b in self._beneath)]
-        if new:
-            names = ", ".join(type(m).__name__ for m in new)
+        new = [m for m in reversed(above) if not isinstance(m, OwnedMode)]  # another region's
+        names = ", ".join(type(m).__name__ for m in new if all(m is not b for b in self._beneath))
+        if names:
             self.misplaced = (
                 f"dispatch mode(s) the code entered and left on: {names}; memlab removed only "
                 "its own and left them on"

@@ -7,8 +7,10 @@ import builtins
 import functools
 import keyword
 import re
+import types
 import unicodedata
 from dataclasses import dataclass
+from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -151,6 +153,27 @@ def variable_name(text: str, magic: str) -> str:
             "(for example -o report)."
         )
     return name
+
+
+def free_for(name: str | None, ns: dict[str, Any], magic: str) -> None:
+    """``-o NAME`` where NAME holds a module (``-o torch`` would break every later
+    ``torch.ones``) or one of memlab's own functions and classes (``-o track``): a UsageError.
+    Any other value of the user's (an earlier report among them) may be replaced."""
+    value = ns.get(name) if name else None
+    if isinstance(value, types.ModuleType):
+        what = f"the module {value.__name__!r}"
+    elif isinstance(value, (type, types.FunctionType)) and _memlabs(value):
+        what = f"memlab's {value.__qualname__!r}"
+    else:
+        return
+    raise UsageError(
+        f"{magic}: -o {name} would replace your {name!r}, which is bound to {what}; pick "
+        "another name (for example -o report)."
+    )
+
+
+def _memlabs(value: Any) -> bool:
+    return str(getattr(value, "__module__", "")).partition(".")[0] == "memlab"
 
 
 _IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})

@@ -37,7 +37,7 @@ def compile_cell(
     would show it, and ``UsageError`` for top-level ``await``.
     """
     transformed = source if _plain_python(source) else shell.transform_cell(source)
-    padded = transformed if header is None else f"# {header}\n{transformed}"
+    padded = transformed if header is None else f"# {inert(header)}\n{transformed}"
     number = getattr(shell.displayhook, "prompt_count", shell.execution_count)
     filename = shell.compile.cache(padded, number, raw_code=source)
     tree = shell.transform_ast(ast.parse(padded, filename=filename))  # the shell's ast_transformers
@@ -57,6 +57,16 @@ def compile_cell(
             "async function and measure `asyncio.run(...)` or the non-async part instead."
         )
     return body, expr, _ends_with_semicolon(transformed)
+
+
+def inert(header: str) -> str:
+    """``header`` as one line of a comment, whatever it holds: a label from ``{variable}`` may
+    hold line breaks, and a line after one would run as code and move every line of the cell.
+    Each break that Python or linecache (``str.splitlines``: \\v, \\f, \\x1c-\\x1e, \\x85,
+    \\u2028, \\u2029 too) ends a line at becomes a space; what cannot be compiled (a NUL, a
+    lone surrogate) is replaced too."""
+    one = " ".join(header.splitlines()).replace("\0", " ")
+    return one.encode("utf-8", "replace").decode("utf-8")
 
 
 #: What IPython's input transformers act on: magics, shell escapes, help, pasted prompts,

@@ -2,54 +2,46 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from html import escape
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import Image, display
 
+from memlab.core import ledger as _ledger
 from memlab.core.devices import DeviceError
 from memlab.core.ledger import default_ledger
 from memlab.magic.args import (
     HELP,
     Options,
+    free_for,
     parse_auto_line,
     parse_cell_line,
     parse_statement_line,
     variable_name,
 )
+from memlab.magic.auto import AutoTracking, cell_number, one_line
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value, measured
 from memlab.magic.history import History
 from memlab.magic.namespace import NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
-from memlab.magic.tracebacks import show_without_memlab, without_memlab
+from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.plot import png
 from memlab.reports.report import MemoryReport, Reports
-from memlab.reports.units import fmt_bytes, fmt_seconds
+
+__all__ = ["GpumemMagics", "cell_number", "one_line"]
+
+#: The modules these magics' objects come from, as imported with them.
+_IMPORTED = (sys.modules[__name__], _ledger)
 
 
-def cell_number(shell: Any) -> int:
-    """The number of the cell running now. IPython 9 increments execution_count before it runs a
-    cell, older versions after; its displayhook's prompt_count is right in both."""
-    return int(getattr(shell.displayhook, "prompt_count", shell.execution_count))
-
-
-def one_line(r: MemoryReport, cell: int | None = None) -> str:
-    where = f"[{cell}] " if cell is not None else ""
-    return (
-        f"memlab {where}{r.device}: allocated {fmt_bytes(r.allocated_before)} → "
-        f"{fmt_bytes(r.allocated_after)} ({fmt_bytes(r.allocated_delta, signed=True)}), "
-        f"peak {fmt_bytes(r.peak_delta, signed=True)} over before, {fmt_seconds(r.seconds)}"
-        + (
-            f" · {'interrupted' if r.raised == 'KeyboardInterrupt' else 'raised ' + r.raised}"
-            if r.raised
-            else ""
-        )
-    )
+def reimported() -> bool:
+    """Whether memlab's modules were removed from ``sys.modules`` since these magics were
+    imported (some users clear their package's prefix to force a fresh import). memlab's lazy
+    imports then load new classes, which the objects these magics hold are not instances of."""
+    return any(sys.modules.get(m.__name__) is not m for m in _IMPORTED)
 
 
 @magics_class
@@ -61,21 +53,38 @@ class GpumemMagics(Magics):
         # kept on the shell, so that %reload_ext memlab keeps the kernel's history
         self.history: History = getattr(shell, "_memlab_history", None) or History()
         shell._memlab_history = self.history
-        self._auto: Options | None = None
-        self._auto_region: track | None = None
-        self._custom_exc: Any = None
+        self.auto = AutoTracking(shell, self._region, self.history)
         self._watch: NamespaceWatch | None = None
+
+    def _current(self) -> GpumemMagics:
+        """These magics, or, once memlab was imported again (see `reimported`), the magics of
+        the new import, which replace these (automatic tracking kept on): what the new
+        modules' code is given is then always theirs."""
+        if not reimported():
+            return self
+        import importlib
+
+        importlib.import_module("memlab").load_ipython_extension(self.sh)
+        return self.sh._memlab_magics  # type: ignore[no-any-return]
+
+    def _again(self, magic: str, *args: Any) -> Any:
+        """The magic ``magic`` of the new import's magics (see `_current`), called."""
+        __tracebackhide__ = True
+        return getattr(self._current(), magic)(*args)
 
     # -- %%gpumem / %gpumem ---------------------------------------------------------------------
     @line_cell_magic
     def gpumem(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
+        if reimported():
+            return self._again("gpumem", line, cell)
         if cell is None:
             opts, source = parse_statement_line(line)
             header = None
         else:
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
+        free_for(opts.out, self.sh.user_ns, "%gpumem")
         region = self._region(opts)
         flight = self._oom.flight(opts.gpu, self.sh)
         try:
@@ -158,6 +167,9 @@ class GpumemMagics(Magics):
         %gpumem_history --clear    forget the history
         %gpumem_history -o NAME    also store the history object in NAME
         """
+        if reimported():
+            self._again("gpumem_history", line)
+            return
         args = line.split()
         out = None
         if "-o" in args:
@@ -166,6 +178,7 @@ class GpumemMagics(Magics):
                 raise UsageError("%gpumem_history: -o needs a variable name.")
             out = variable_name(args.pop(i + 1), "%gpumem_history")
             args.remove("-o")
+            free_for(out, self.sh.user_ns, "%gpumem_history")
         unknown = set(args) - {"--clear", "--no-plot"}
         if unknown:
             raise UsageError(
@@ -191,12 +204,16 @@ class GpumemMagics(Magics):
         %gpumem_leaks            show them, with the bytes each keeps alive and the fix
         %gpumem_leaks -o NAME    also store the report in NAME
         """
+        if reimported():
+            self._again("gpumem_leaks", line)
+            return
         from memlab.graphs.retained import find_retained
 
         args = line.split()
         out = None
         if args[:1] == ["-o"] and len(args) == 2:
             out = variable_name(args[1], "%gpumem_leaks")
+            free_for(out, self.sh.user_ns, "%gpumem_leaks")
         elif args:
             raise UsageError("%gpumem_leaks takes no arguments but -o NAME.")
         report = find_retained(self.sh.user_ns, skip=self.sh.user_ns_hidden)
@@ -208,80 +225,44 @@ class GpumemMagics(Magics):
     @line_magic
     def gpumem_auto(self, line: str) -> None:
         """Track every cell with a one-line summary: %gpumem_auto on [-d DEVICE] [-b] | off."""
+        if reimported():
+            self._again("gpumem_auto", line)
+            return
         words = line.split(maxsplit=1)
         if not words:
-            state = "on" if self._auto else "off"
+            state = "on" if self.auto.opts else "off"
             print(f"memlab: automatic tracking is {state}. Use %gpumem_auto on|off.")
             return
-        opts = parse_auto_line(words[0], words[1] if len(words) > 1 else "")
+        rest = words[1] if len(words) > 1 else ""
+        opts = parse_auto_line(words[0], rest)
         if opts is None:
             self.auto_off()
             return
-        self._region(opts)  # validate the device now, not at the next cell
-        self.auto_off()
-        self._auto = opts
-        self.sh.events.register("pre_run_cell", self._pre_cell)
-        self.sh.events.register("post_run_cell", self._post_cell)
-        if not self.sh.custom_exceptions:  # the user's own handler, if any, stays
-            # an error in a tracked cell reaches IPython through memlab's dispatch mode:
-            # shown without memlab's frames, as under %%gpumem
-            before = (self.sh.custom_exceptions, getattr(self.sh, "CustomTB", None))
-            self.sh.set_custom_exc((Exception, KeyboardInterrupt), show_without_memlab)
-            self._custom_exc = (self.sh.CustomTB, before)
+        self.auto.on(opts, rest, (self._pre_cell, self._post_cell))
         print("memlab: tracking every cell (%gpumem_auto off to stop).")
 
-    def auto_off(self) -> None:
-        if self._auto is None:
+    def resume_auto(self, line: str) -> None:
+        """``%reload_ext memlab`` with automatic tracking on: on again, with the same options,
+        and said (a reload replaces the code, not the user's choice)."""
+        try:
+            opts = parse_auto_line("on", line)
+            assert opts is not None  # (None is "off")
+            self.auto.on(opts, line, (self._pre_cell, self._post_cell))
+        except Exception as e:  # the device went away: said, not raised from the reload
+            again = f"%gpumem_auto on {line}".rstrip()
+            print(f"memlab: automatic tracking is off after the reload ({e}); {again} turns it on.")
             return
-        for name, cb in (("pre_run_cell", self._pre_cell), ("post_run_cell", self._post_cell)):
-            with contextlib.suppress(ValueError):
-                self.sh.events.unregister(name, cb)
-        if self._custom_exc is not None:
-            mine, (exceptions, handler) = self._custom_exc
-            if getattr(self.sh, "CustomTB", None) is mine:  # nobody replaced it since
-                self.sh.custom_exceptions, self.sh.CustomTB = exceptions, handler
-        self._custom_exc = None
-        self._close_auto(None)
-        self._auto = None
+        print("memlab: still tracking every cell after the reload (%gpumem_auto off to stop).")
+
+    def auto_off(self) -> None:
+        """Automatic tracking off, every region it holds open closed."""
+        self.auto.off((self._pre_cell, self._post_cell))
 
     def _pre_cell(self, info: Any) -> None:
-        raw = (getattr(info, "raw_cell", "") or "").lstrip()
-        if self._auto is None or raw.startswith(("%%gpumem", "%gpumem_auto")):
-            return
-        region = self._region(self._auto)
-        try:
-            region.__enter__()
-        except Exception as e:  # memlab's own failure never stops the user's cell
-            print(f"memlab: this cell is not tracked: {e}.")
-            return
-        self._auto_region = region
+        self._current().auto.pre(info)  # (the new import's, where memlab was imported again)
 
     def _post_cell(self, result: Any) -> None:
-        err = getattr(result, "error_in_exec", None)
-        region = self._close_auto(type(err) if err is not None else None)
-        if region is None:
-            return
-        try:
-            r = region.report
-        except RuntimeError as e:
-            print(f"memlab: no report for this cell: {e.__cause__ or e}.")
-            return
-        self.history.add(cell_number(self.sh), r)
-        text = one_line(r, cell_number(self.sh))
-        display(
-            {
-                "text/plain": text,
-                "text/html": f'<div style="font-size:11px;color:#555">{escape(text)}</div>',
-            },
-            raw=True,
-        )
-
-    def _close_auto(self, err: type[BaseException] | None) -> track | None:
-        region, self._auto_region = self._auto_region, None
-        if region is not None:  # memlab's own failure: no report (said by _post_cell)
-            with contextlib.suppress(Exception):
-                region.__exit__(err, None, None)
-        return region
+        self.auto.post(result)
 
     gpumem.__doc__ = HELP
 

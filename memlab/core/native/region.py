@@ -168,10 +168,11 @@ class NativeRegion:
             return
         if self._open:
             self._close_record()
-            if dispatch_modes_on():  # none was on when the region opened
-                left_on = _torch.dispatch_mode_stack()
-                names = ", ".join(type(m).__name__ for m in left_on)
-                self.notes.append(f"dispatch mode(s) the code entered and left on: {names}")
+            if dispatch_modes_on():  # none was on when the region opened: memlab's own modes
+                left_on = [type(m) for m in _torch.dispatch_mode_stack()]  # (another region's)
+                names = ", ".join(t.__name__ for t in left_on if t.__module__[:7] != "memlab.")
+                if names:  # are not the code's
+                    self.notes.append(f"dispatch mode(s) the code entered and left on: {names}")
         try:
             self._tally = self._settle(self._lib, frees)
         except KeyboardInterrupt:
