@@ -6,17 +6,20 @@ Every error names the argument, what was received (described without running the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from memlab.graphs.scan import type_name
+from memlab.graphs.scan import own_attributes, type_name
 
-#: Containers whose tensors are unpacked (base-class methods: a subclass's overrides do not run).
+#: Containers whose tensors are unpacked (base-class methods: a subclass's overrides do not run),
+#: and so are a dataclass instance's fields (read from the instance itself: `fields_of`).
 _CONTAINERS = (list, tuple, dict)
+#: How the errors say what is unpacked.
+UNPACKED = "lists, tuples, dicts and dataclasses of tensors are unpacked"
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 #: Tensors looked at in one output (a model returning thousands of tensors is unusual).
 MAX_TENSORS = 100_000
@@ -42,14 +45,34 @@ def describe(value: Any) -> str:
         name = getattr(value, "__qualname__", None)
         return f"the function {name}" if type(name) is str else "a function"
     if issubclass(tp, torch.nn.Module):
-        return f"a {type_name(tp)} module"
+        return article(f"{type_name(tp)} module")
     if any(tp is p for p in _PLAIN):
-        text = repr(value)
-        return f"{'an' if type_name(tp)[0] in 'aeiou' else 'a'} {type_name(tp)} ({text[:60]})"
+        return article(f"{type_name(tp)} ({repr(value)[:60]})")
     for base in _CONTAINERS:
         if issubclass(tp, base):
-            return f"a {type_name(tp)} of {base.__len__(value)} item(s)"
-    return f"a {type_name(tp)} object"
+            return article(f"{type_name(tp)} of {base.__len__(value)} item(s)")
+    return article(f"{type_name(tp)} object")
+
+
+def article(words: str) -> str:
+    """``words`` after their indefinite article: "an Out object", "a tensor"."""
+    return f"{'an' if words[:1].lower() in 'aeiou' else 'a'} {words}"
+
+
+def fields_of(value: Any) -> list[Any] | None:
+    """A dataclass instance's field values, in field order, read from the instance itself (no
+    property or ``__getattr__`` of its class runs); None for what is not a dataclass instance.
+    A forward may return one (``Out(logits=...)``), as Hugging Face's ``ModelOutput`` is, though
+    that one is a dict too."""
+    tp = type(value)
+    if not dataclasses.is_dataclass(tp):
+        return None
+    try:
+        names = [f.name for f in dataclasses.fields(tp)]
+    except Exception:  # a class whose dataclass record is not the dataclasses module's
+        return None
+    own = {k: v for k, v in own_attributes(value) if type(k) is str}
+    return [own[n] for n in names if n in own]
 
 
 def sizes(t: torch.Tensor) -> tuple[int | str, ...]:
@@ -73,7 +96,7 @@ def not_a_module(model: Any) -> str:
     if any(t.grad_fn is not None for t in tensors_of(model)):  # outputs, e.g. a list of losses
         fix = (
             "It holds tensors that already have a graph: draw that with memlab.graph_of(...) "
-            "(lists, tuples and dicts are unpacked)."
+            f"({UNPACKED})."
         )
     elif callable(model):
         fix = (
@@ -97,8 +120,8 @@ def required_inputs(model: torch.nn.Module) -> list[str]:
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in ``obj`` and the lists, tuples and dicts under it, each once, in order
-    (an explicit stack: nesting of any depth)."""
+    """Every tensor in ``obj`` and the lists, tuples, dicts and dataclass instances under it,
+    each once, in order (an explicit stack: nesting of any depth)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [obj]
@@ -116,15 +139,20 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
             stack.extend(reversed(list(list.__iter__(value))))
         elif issubclass(tp, tuple):
             stack.extend(reversed(list(tuple.__iter__(value))))
+        else:
+            stack.extend(reversed(fields_of(value) or ()))
     return out
 
 
-def output_tensors(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
-    """``graph_of``'s arguments as tensors: each a tensor, or a list, tuple or dict of them."""
+def output_tensors(
+    outputs: tuple[Any, ...], call: str = "memlab.graph_of(*outputs)", names: tuple[str, ...] = ()
+) -> list[torch.Tensor]:
+    """The arguments of ``call`` (as its errors name it; ``names``: each argument's name, else
+    "argument k") as tensors: each a tensor, or a list, tuple, dict or dataclass of them."""
+    func = call.partition("(")[0]
     if not outputs:
         raise GraphArgumentError(
-            "memlab.graph_of(*outputs) needs at least one tensor with a grad_fn: "
-            "memlab.graph_of(loss), or memlab.graph_of(model(x))."
+            f"{call} needs at least one tensor with a grad_fn: {func}(loss), or {func}(model(x))."
         )
     found: list[torch.Tensor] = []
     for k, value in enumerate(outputs, 1):
@@ -136,19 +164,20 @@ def output_tensors(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
                 if issubclass(tp, torch.nn.Module)
                 else ""
             )
-            holds = " holding no tensor" if issubclass(tp, _CONTAINERS) else ", not a tensor"
+            packed = issubclass(tp, _CONTAINERS) or fields_of(value) is not None
+            holds = " holding no tensor" if packed else ", not a tensor"
+            name = names[k - 1] if k <= len(names) else f"argument {k}"
             raise GraphArgumentError(
-                f"memlab.graph_of(*outputs): argument {k} is {describe(value)}{holds}. Pass the "
-                "tensor(s) a forward returned, e.g. memlab.graph_of(loss) or "
-                "memlab.graph_of(model(x)) (lists, tuples and dicts of tensors are unpacked)."
-                + hint
+                f"{call}: {name} is {describe(value)}{holds}. Pass the tensor(s) a forward "
+                f"returned, e.g. {func}(loss) or {func}(model(x)) ({UNPACKED})." + hint
             )
         found += tensors
     return found
 
 
-def given_inputs(inputs: Any) -> list[torch.Tensor]:
-    """``graph_of``'s ``inputs=``: a tensor, or a list, tuple or dict of tensors (or none)."""
+def given_inputs(inputs: Any, func: str = "memlab.graph_of") -> list[torch.Tensor]:
+    """``inputs=`` of ``func`` (``graph_of``, ``make_dot``): a tensor, or a list, tuple or dict
+    of tensors (or none)."""
     if inputs is None:
         return []
     tensors = tensors_of(inputs)
@@ -156,18 +185,18 @@ def given_inputs(inputs: Any) -> list[torch.Tensor]:
     if tensors or (container is not None and container.__len__(inputs) == 0):
         return tensors
     raise GraphArgumentError(
-        f"memlab.graph_of(..., inputs=...): inputs is {describe(inputs)}"
+        f"{func}(..., inputs=...): inputs is {describe(inputs)}"
         f"{' holding no tensor' if container else ''}. Pass the tensors that exist anyway (the "
         "forward's inputs), e.g. inputs=[x], or leave inputs out."
     )
 
 
-def no_grad_fn_message(t: torch.Tensor, count: int) -> str:
-    """Why ``t`` (the first of ``count`` tensors given to ``graph_of``) has no graph."""
+def no_grad_fn_message(t: torch.Tensor, count: int, func: str = "memlab.graph_of") -> str:
+    """Why ``t`` (the first of ``count`` tensors given to ``func``) has no graph."""
     if count == 1:
-        head = f"memlab.graph_of got {describe(t)}, which"
+        head = f"{func} got {describe(t)}, which"
     else:
-        head = f"memlab.graph_of got {count} tensors and none has one; the first, {describe(t)},"
+        head = f"{func} got {count} tensors and none has one; the first, {describe(t)},"
     if t.is_inference():
         why = (
             "was made under torch.inference_mode(), which records no graph. Run the forward "
@@ -208,36 +237,3 @@ def no_graph_message(out: Any, tensors: list[torch.Tensor], grad: bool) -> str:
         f"memlab.graph: the forward returned {describe(out)} without a grad_fn, so there is no "
         f"autograd graph to draw (memlab.graph runs it with grad enabled): {why}."
     )
-
-
-def packed_inputs(inputs: tuple[Any, ...], error: BaseException) -> str | None:
-    """Why the forward may have refused ``inputs`` (a TypeError ``error`` raised in it): a
-    DataLoader's whole batch, a list or tuple of tensors, a mapping of them (keyword
-    arguments), a generator or iterator of batches, or the loader itself given where the
-    tensors go; None when no input looks like that."""
-    for k, value in enumerate(inputs, 1):
-        tp = type(value)
-        packed = issubclass(tp, (list, tuple)) and bool(tensors_of(value))
-        loader = type_name(tp) == "DataLoader"
-        lazy = issubclass(tp, (types.GeneratorType, Iterator)) and not issubclass(tp, torch.Tensor)
-        if packed or loader or lazy:
-            what = "the DataLoader itself" if loader else describe(value)
-            if lazy:
-                what = f"a {type_name(tp)} (batches not yet made)"
-            return (
-                f"memlab.graph(model, *inputs): the forward raised {type(error).__name__} "
-                f"({str(error).splitlines()[0][:200]}) on input {k}, {what}. Pass the tensors "
-                "the forward takes, unpacked: a DataLoader's batch is (inputs, targets), so "
-                "x, y = next(iter(loader)); memlab.graph(model, x); arguments in a tuple: "
-                "memlab.graph(model, *args)."
-            )
-        if issubclass(tp, dict) and bool(tensors_of(value)):  # its own keys, no code of its
-            keys = ", ".join(repr(key)[:40] for key in list(dict.keys(value))[:5])
-            return (
-                f"memlab.graph(model, *inputs): the forward raised {type(error).__name__} "
-                f"({str(error).splitlines()[0][:200]}) on input {k}, a {type_name(tp)} of "
-                f"tensors ({keys}). Pass a mapping as keyword arguments, "
-                "memlab.graph(model, **batch), or the tensor the forward takes: "
-                "memlab.graph(model, batch['input'])."
-            )
-    return None

@@ -25,14 +25,14 @@ from memlab.graphs.args import (
     no_graph_message,
     not_a_module,
     output_tensors,
-    packed_inputs,
     required_inputs,
     sizes,
     tensors_of,
 )
 from memlab.graphs.collapse import drawing_notes
+from memlab.graphs.inputs import add_note, mapping_hint, packed_inputs
 from memlab.graphs.model import KINDS, Graph, Node, Saved
-from memlab.graphs.saved import saved_tensors, storages
+from memlab.graphs.saved import op_name, saved_tensors, storages, unreadable, wrapped_number
 
 __all__ = ["GraphArgumentError", "NoGraphError", "graph", "graph_of"]
 
@@ -64,6 +64,9 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
         except Exception as e:
             why = packed_inputs(inputs, e) if isinstance(e, TypeError) else None
             if why is None:  # the model's, on its input: shown without memlab's frames
+                hint = mapping_hint(inputs)  # (its type and traceback kept: a note below)
+                if hint is not None:
+                    add_note(e, hint)
                 the_users(e)
                 raise
             # a whole batch, or the loader, where a tensor goes
@@ -87,14 +90,19 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
 
 @users_traceback()
 def graph_of(*outputs: torch.Tensor, inputs: Iterable[torch.Tensor] = ()) -> Graph:
-    """The annotated graph behind tensors that already have a ``grad_fn`` (lists, tuples and
-    dicts of them are unpacked). Module names are unknown here (``memlab.graph`` runs the
-    forward to learn them); leaves that require grad are the graph's parameters, and ``inputs``
-    are tensors that exist anyway."""
-    tensors, given = output_tensors(outputs), given_inputs(inputs)
+    """The annotated graph behind tensors that already have a ``grad_fn`` (lists, tuples,
+    dicts and dataclasses of them are unpacked). Module names are unknown here
+    (``memlab.graph`` runs the forward to learn them); leaves that require grad are the graph's
+    parameters, and ``inputs`` are tensors that exist anyway."""
+    return graph_of_tensors(output_tensors(outputs), inputs, "memlab.graph_of")
+
+
+def graph_of_tensors(tensors: list[torch.Tensor], inputs: Any, func: str) -> Graph:
+    """`graph_of` of ``tensors``, its errors naming ``func``, the function the user called."""
+    given = given_inputs(inputs, func)
     without = [t for t in tensors if t.grad_fn is None]
     if len(without) == len(tensors):
-        raise NoGraphError(no_grad_fn_message(without[0], len(tensors)))
+        raise NoGraphError(no_grad_fn_message(without[0], len(tensors), func))
     notes = ("modules unknown: memlab.graph(model, *inputs) runs the forward to learn them",)
     return _build(tensors, [], None, _storages(given), {}, notes, ())
 
@@ -165,7 +173,7 @@ def _build(
     order = sorted(range(len(nodes)), key=seqs.__getitem__)
     charged: set[int] = set()
     fixed_saved: dict[int, int] = {}
-    unread = 0
+    unread, opaque = 0, []
     keep: list[Any] = []
     built: dict[int, Node] = {}
     for i in order:
@@ -181,7 +189,12 @@ def _build(
             else:
                 module = leaf_name.rpartition(".")[0]
         saved, total = [], 0
+        if unreadable(n):
+            opaque.append(op_name(n))
         for attr, t in saved_tensors(n):
+            if wrapped_number(t):  # host memory outside any op: memlab.track leaves it out too
+                saved.append(Saved(attr, (), _dtype(t), t.untyped_storage().nbytes(), "number"))
+                continue
             parts = storages(t)
             if parts is None:
                 unread += 1
@@ -206,16 +219,37 @@ def _build(
             nbytes = sum(st.nbytes() for st in parts)
             saved.append(Saved(attr, sizes(t), _dtype(t), nbytes, kind))
         inputs = tuple(index[id(f)] for f, _ in n.next_functions if f is not None)
-        built[i] = Node(i, type(n).__name__, module, total, tuple(saved), inputs, leaf_name)
-    if unread:
-        notes += (
-            f"{unread} saved tensor(s) not counted: their bytes cannot be read (a tensor "
-            "without storage, as an MKL-DNN one)",
-        )
+        built[i] = Node(i, op_name(n), module, total, tuple(saved), inputs, leaf_name)
+    notes += _unread_notes(unread, opaque)
     root_ids = tuple(dict.fromkeys(index[id(r)] for r in roots))
     nodes_out = tuple(built[i] for i in range(len(nodes)))
-    g = Graph(nodes_out, root_ids, sum(fixed_saved.values()), notes, kinds)
+    g = Graph(nodes_out, root_ids, sum(fixed_saved.values()), notes, kinds, unread + len(opaque))
     return dataclasses.replace(g, notes=notes + drawing_notes(g))
+
+
+def _unread_notes(unread: int, opaque: list[str]) -> tuple[str, ...]:
+    """What the total leaves out: saved tensors without storage, and nodes that keep what they
+    saved out of Python's reach (the total is then a lower bound)."""
+    out: tuple[str, ...] = ()
+    if unread:
+        out += (
+            f"{unread} saved tensor(s) not counted: their bytes cannot be read (a tensor "
+            "without storage, as an MKL-DNN one); the total is a lower bound",
+        )
+    if opaque:
+        ops = ", ".join(sorted(set(opaque)))
+        out += (
+            f"{len(opaque)} node(s) whose saved tensors memlab cannot read ({ops}): not "
+            "counted, so the total is a lower bound; memlab.track(breakdown=True) around the "
+            "forward measures them as activations",
+        )
+    if "DifferentiableGraphBackward" in opaque:
+        out += (
+            "DifferentiableGraphBackward is a TorchScript module's graph, its ops fused into "
+            "one node by the profiling executor after the first calls: memlab.graph of the "
+            "module before torch.jit.script shows each op and what it saved",
+        )
+    return out
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -16,9 +16,11 @@ from memlab.reports.units import fmt_bytes
 
 #: What a saved tensor is, for the graph: memory autograd alone keeps (activation, charged to the
 #: earliest node that saved it), memory another node already accounts for (shared), memory
-#: that exists anyway (parameter or buffer, an input of the forward), and memory whose bytes
-#: cannot be read (unread: a tensor without storage, as an MKL-DNN one; not counted).
-KINDS = ("activation", "shared", "parameter", "input", "unread")
+#: that exists anyway (parameter or buffer, an input of the forward), memory whose bytes
+#: cannot be read (unread: a tensor without storage, as an MKL-DNN one; not counted), and a
+#: Python number an op wrapped as a tensor (number: ``x * 0.5``'s 0.5, a few bytes on the host
+#: made outside any op; not counted, as `memlab.track` does not count it).
+KINDS = ("activation", "shared", "parameter", "input", "unread", "number")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class Graph(Result):
 
     ``activation_bytes`` counts each saved storage once (charged to the earliest node that saved
     it) and leaves out parameters, buffers and the forward's inputs, which exist anyway: it
-    equals what ``memlab.track(breakdown=True)`` reports as activation for the same forward.
+    equals what ``memlab.track(breakdown=True)`` reports as activation for the same forward
+    (keys and values a KV cache also holds are its ``kv_cache`` there). Where ``unread`` is
+    not 0, saved tensors memlab cannot read are left out and it is a lower bound (``exact``).
     In a notebook it shows the drawing (SVG) above `html`, its table of the heaviest nodes.
     """
 
@@ -67,10 +71,21 @@ class Graph(Result):
     #: (module path, class name) of each module of the model (``memlab.graph`` only): how a
     #: drawing names a run of repeated modules.
     module_types: tuple[tuple[str, str], ...] = ()
+    #: Saved tensors and nodes whose bytes could not be read (`notes` say which): not counted.
+    unread: int = 0
 
     @property
     def activation_bytes(self) -> int:
         return sum(n.bytes for n in self.nodes)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every saved tensor was read: else `activation_bytes` is a lower bound."""
+        return self.unread == 0
+
+    def total_text(self) -> str:
+        """The total as the summaries say it: "at least" where it is a lower bound."""
+        return f"{'' if self.exact else 'at least '}{fmt_bytes(self.activation_bytes)}"
 
     @users_traceback()
     def by_module(self, depth: int | None = None) -> Mapping[str, tuple[int, int]]:
@@ -94,6 +109,7 @@ class Graph(Result):
     def to_dict(self) -> dict[str, Any]:
         return {
             "activation_bytes": self.activation_bytes,
+            "exact": self.exact,
             "saved_parameter_bytes": self.saved_parameter_bytes,
             "nodes": [
                 {
@@ -163,7 +179,7 @@ class Graph(Result):
             for n in self.heaviest(k)
         ]
         head = heading(
-            f"{fmt_bytes(self.activation_bytes)} saved for backward in {len(self.nodes)} nodes",
+            f"{self.total_text()} saved for backward in {len(self.nodes)} nodes",
             f"parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)}",
         )
         body = [head, table(["heaviest node", "module", "saved"], rows, "memlab-graph-table")]
@@ -187,7 +203,7 @@ class Graph(Result):
 
     def text(self) -> str:
         lines = [
-            f"memlab graph: {len(self.nodes)} nodes, {fmt_bytes(self.activation_bytes)} saved "
+            f"memlab graph: {len(self.nodes)} nodes, {self.total_text()} saved "
             f"for backward (parameters saved alongside: {fmt_bytes(self.saved_parameter_bytes)})"
         ]
         lines += [f"  {fmt_bytes(n.bytes):>10}  {n.op}  {n.module}" for n in self.heaviest()]

@@ -1,4 +1,5 @@
-"""What an autograd node saved for backward, read from its ``_saved_*`` attributes."""
+"""What an autograd node saved for backward, read from its ``_saved_*`` attributes (and a Python
+``autograd.Function``'s ``saved_tensors``), and the nodes whose saved tensors cannot be read."""
 
 from __future__ import annotations
 
@@ -6,9 +7,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
-from memlab.core._torch_autograd import saved_names, saved_value
+from memlab.core._torch import SAVED_PREFIX
+from memlab.core._torch_autograd import raw_saved_readable, saved_names, saved_value
 from memlab.core.storages import sparse_parts
+
+#: A Python ``autograd.Function``'s node keeps what ``ctx.save_for_backward`` saved as the
+#: built-in nodes keep theirs (a raw form beside the saved name), so `saved_value` reads it.
+_FUNCTION = SAVED_PREFIX + "tensors"
 
 
 class GraphFreedError(RuntimeError):
@@ -18,9 +25,14 @@ class GraphFreedError(RuntimeError):
 def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(attribute, tensor) for each tensor ``node`` saved. Raises GraphFreedError when backward
     already released them (run the analysis before backward, or backward with retain_graph)."""
-    for name in saved_names(node):
-        try:
-            value = saved_value(node, name)  # never a program's unpack hook (see there)
+    names = saved_names(node)
+    if isinstance(node, BackwardCFunction) and raw_saved_readable():
+        names += (_FUNCTION,)
+    for name in names:
+        try:  # never a program's unpack hook (see there)
+            value = saved_value(node, name, strict=name == _FUNCTION)
+        except AttributeError:  # (a Function's tensor not given: nothing to read)
+            continue
         except RuntimeError as e:
             raise GraphFreedError(
                 f"{type(node).__name__} was already run by backward(), which freed what it "
@@ -45,3 +57,51 @@ def storages(t: torch.Tensor) -> tuple[Any, ...] | None:
         return tuple(p.untyped_storage() for p in parts)
     except Exception:  # NotImplementedError (no storage), RuntimeError, a subclass's own error
         return None
+
+
+def op_name(node: Any) -> str:
+    """The node's op: its type's name, or for a C++ node without a Python class of its own
+    (``CppFunction``) the last part of its C++ name (``DifferentiableGraphBackward``)."""
+    name = type(node).__name__
+    if name != "CppFunction":
+        return name
+    try:
+        full = node.name()
+    except Exception:
+        return name
+    return (full.rpartition("::")[2] or name) if type(full) is str else name
+
+
+def unreadable(node: Any) -> bool:
+    """Whether what ``node`` saved cannot be read: a C++ node without a Python class of its own
+    (``CppFunction``: a TorchScript graph's ``DifferentiableGraphBackward``, a C++ extension's
+    function) keeps its saved tensors out of Python's reach, and so does a Python
+    ``autograd.Function`` on a PyTorch that cannot read them without running hooks."""
+    if type(node).__name__ == "CppFunction":
+        return True
+    return isinstance(node, BackwardCFunction) and not raw_saved_readable()
+
+
+_PROBES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def wrapped_number(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a Python number an op wrapped as a tensor: ``x * 0.5`` saves 0.5 as a
+    0-dim float64 tensor on the host, whatever ``x``'s device. It is made outside the ops
+    `memlab.track` sees (and never on the device), so neither counts it. Told apart by type
+    promotion, where a wrapped number ranks below every tensor: a 0-dim float16 tensor with it
+    stays float16, with a 0-dim float64 tensor becomes float64."""
+    wrapped = {torch.float64: torch.float16, torch.int64: torch.uint8}
+    wrapped[torch.complex128] = torch.complex64
+    try:
+        if type(t) is not torch.Tensor or t.dim() != 0 or t.device.type != "cpu":
+            return False
+        low = wrapped.get(t.dtype)
+        if low is None:
+            return False
+        probe = _PROBES.get(low)
+        if probe is None:
+            probe = _PROBES[low] = torch.empty((), dtype=low, device="cpu")
+        return torch.result_type(probe, t) == low
+    except Exception:
+        return False

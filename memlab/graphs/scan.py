@@ -124,6 +124,15 @@ class _Layouts:
         return desc, slots
 
 
+def own_attributes(value: Any) -> list[tuple[Any, Any]]:
+    """``value``'s own attributes (its ``__dict__`` and ``__slots__``), read as the scan reads
+    them: no code of its class runs (none where its class makes ``__dict__`` itself)."""
+    try:
+        return list(_Layouts().attributes(value, type(value)))
+    except Exception:
+        return []
+
+
 def _children(value: Any, tp: type, layouts: _Layouts) -> Iterable[tuple[str, Any]]:
     """(path suffix, child) pairs of a container's items or an object's attributes."""
     if issubclass(tp, dict):

@@ -5,20 +5,35 @@ by torchviz itself; memlab adds to each node's label what it saved (each storage
 charged to the earliest node that saved it, parameters apart: the figures of `memlab.graph_of`),
 the exact bytes on hover, and the total in the title. Changing one import upgrades existing
 torchviz code: ``from memlab import make_dot``.
+
+torchviz walks the graph recursively, one Python frame per node along the longest path, so a
+deep graph (a thousand blocks) passes Python's recursion limit. memlab runs it in a thread of
+its own with a stack and a recursion limit sized for the graph's node count (`deep_enough`);
+nothing is collapsed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
 from memlab.core.autograd import iter_nodes
 from memlab.core.frames import users_traceback
 from memlab.graphs.args import output_tensors
-from memlab.graphs.capture import graph_of
+from memlab.graphs.capture import graph_of_tensors
 from memlab.reports.units import fmt_bytes
+
+R = TypeVar("R")
+#: Python frames allowed per node of the graph, and C stack per node for the thread (a Python
+#: call takes under 1 KiB of it on 3.11+, a few KiB on 3.10), capped: memory is only reserved.
+FRAMES_PER_NODE = 2
+STACK_PER_NODE = 16 * 1024
+MAX_STACK = 1024**3
+_LIMIT_LOCK = threading.Lock()
 
 
 class TorchvizMissingError(ImportError):
@@ -48,14 +63,17 @@ def make_dot(
             f"{e}). Install it (`pip install torchviz`, and `setuptools` on Python 3.12+), or "
             "use memlab.graph_of(output).svg(), memlab's own drawing."
         ) from e
-    outputs = output_tensors((var,))
-    graph = graph_of(*outputs, inputs=inputs)  # a clear error for what has no graph
-    dot = torchviz.make_dot(
-        var if isinstance(var, torch.Tensor) else tuple(outputs),  # torchviz takes tuples only
-        params=dict(params) if params is not None else None,
-        show_attrs=show_attrs,
-        show_saved=show_saved,
-        max_attr_chars=max_attr_chars,
+    outputs = output_tensors((var,), "memlab.make_dot(var, params)", ("var",))
+    graph = graph_of_tensors(outputs, inputs, "memlab.make_dot")  # what has no graph: said
+    dot = deep_enough(
+        len(graph.nodes),
+        lambda: torchviz.make_dot(
+            var if isinstance(var, torch.Tensor) else tuple(outputs),  # torchviz: tuples only
+            params=dict(params) if params is not None else None,
+            show_attrs=show_attrs,
+            show_saved=show_saved,
+            max_attr_chars=max_attr_chars,
+        ),
     )
     # graph_of numbers the nodes in the order core.autograd.iter_nodes walks them
     fns = list(iter_nodes([t.grad_fn for t in outputs if t.grad_fn is not None]))
@@ -67,6 +85,46 @@ def make_dot(
             tip = f"{name}: {node.bytes:,} B saved for backward (each storage counted once)"
             dot.node(str(id(fn)), label=label, tooltip=tip)
     total = graph.activation_bytes
-    dot.attr(label=f"{fmt_bytes(total)} saved for backward ({total:,} B), by memlab", labelloc="t")
-    dot.memlab_graph = graph  # the figures behind the labels
+    title = f"{graph.total_text()} saved for backward ({total:,} B), by memlab"
+    if not graph.exact:
+        title += f"; not counted: {graph.unread} saved tensor(s) or node(s) it cannot read"
+    dot.attr(label=title, labelloc="t")
+    dot.memlab_graph = graph  # the figures behind the labels, and their notes
     return dot
+
+
+def deep_enough(nodes: int, fn: Callable[[], R]) -> R:
+    """``fn()``, torchviz's recursive walk of a graph of ``nodes`` nodes, run where it cannot
+    pass the recursion limit: for a small graph here; else in a thread with a stack sized for
+    the graph, the recursion limit raised while it runs and put back after (unless something
+    else changed it meanwhile). Its error, if any, is raised here."""
+    depth = nodes * FRAMES_PER_NODE + 200
+    base = sys.getrecursionlimit()
+    if depth + 200 < base:  # the caller's own frames: room left
+        return fn()
+    done: list[R] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(fn())
+        except BaseException as e:  # raised in the caller's thread below
+            failed.append(e)
+
+    with _LIMIT_LOCK:
+        raised = base + depth
+        sys.setrecursionlimit(raised)
+        old_stack = threading.stack_size(min(MAX_STACK, max(nodes * STACK_PER_NODE, 1 << 20)))
+        try:
+            worker = threading.Thread(target=run, name="memlab make_dot", daemon=True)
+            worker.start()
+        finally:
+            threading.stack_size(old_stack)
+        try:
+            worker.join()
+        finally:
+            if sys.getrecursionlimit() == raised:
+                sys.setrecursionlimit(base)
+    if failed:
+        raise failed[0]
+    return done[0]
