@@ -23,8 +23,8 @@ from memlab.panel.applies import neutral, refuse_unshown
 from memlab.panel.controls import CUSTOM, HERE, build_controls, controls
 from memlab.panel.levers import lever_values
 from memlab.panel.limit import LINE, MUTED, BudgetLimit, mib
-from memlab.panel.ranks import fit_and_peak, predicted
-from memlab.panel.search import MAX_BATCH, predicted_batch
+from memlab.panel.ranks import predicted
+from memlab.panel.search import MAX_BATCH, Tries, predicted_batch
 from memlab.panel.views import bars, png, runs_table
 from memlab.panel.work import Work
 from memlab.reports.frame import GROW
@@ -195,14 +195,6 @@ class Explorer(BudgetLimit):
             config = config.with_(budget=found[0])
         step, limit_bytes = config.accumulation, config.budget
         assert limit_bytes is not None  # set above, or the search returned
-        done: dict[int, RunResult] = {}
-
-        def measure(batch: int) -> tuple[bool, int | None]:
-            # the same step as a run, warm-up included: with the optimizer's state already in
-            # place, a step peaks higher than the very first one
-            done[batch] = self._step(config.with_(batch_size=batch))
-            return fit_and_peak(done[batch])
-
         budget = fmt_bytes(config.budget)
 
         def trying(batch: int, fits_so_far: int, too_big: int | None) -> None:
@@ -211,24 +203,30 @@ class Explorer(BudgetLimit):
                 known += f"; too big: {too_big:,}"
             self._progress(f"largest batch under {budget}: trying {batch:,} ({known})")
 
-        stop = lambda: self._work.cancelled  # noqa: E731
+        # each try the same step as a run, warm-up included: with the optimizer's state
+        # already in place, a step peaks higher than the very first one
+        tries = Tries(lambda b: self._step(config.with_(batch_size=b)), step, config.batch_size)
+        tries.on_try, stop = trying, lambda: self._work.cancelled
         best = self._attempt(
-            lambda: predicted_batch(measure, limit_bytes, step, on_try=trying, stop=stop)
+            lambda: predicted_batch(
+                tries.measure, limit_bytes, step, on_try=trying, stop=stop, first=tries.first()
+            )
         )
         if best is None:
             return None
         cancelled = " (cancelled: the largest found so far)" if self._work.cancelled else ""
+        why = f" ({tries.skipped}: the search started at {tries.floor:,})" if tries.skipped else ""
         if best == 0:
-            self._say(f"not even a batch of {step} fits in {budget}{cancelled}", True)
+            self._say(f"not even a batch of {tries.floor} fits in {budget}{why}{cancelled}", True)
             return 0
         if not self._work.cancelled:  # a cancelled search leaves the batch size as it was
             self.batch_size.value = best
-            if done[best].config == self._attempt(lambda: self.config):
-                self._add(done[best])  # the search ran this very step: no need to run it again
+            if tries.done[best].config == self._attempt(lambda: self.config):
+                self._add(tries.done[best])  # the search ran this very step: not run again
             else:
                 self.run()
         limit = f" (the search stops at {MAX_BATCH:,})" if best * 2 > MAX_BATCH else ""
-        self._say(f"largest batch that fits in {budget}: {best:,}{limit}{cancelled}")
+        self._say(f"largest batch that fits in {budget}: {best:,}{limit}{why}{cancelled}")
         return best
 
     def wait(self, timeout: float | None = None) -> None:

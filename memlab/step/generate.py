@@ -35,8 +35,9 @@ from memlab.step.kvcache import (
     static_cache,
 )
 from memlab.step.model import call, check_device, cpu_to
+from memlab.step.outputs import tensors_in
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
-from memlab.step.user import UserStep, refused_arguments, tensors_in
+from memlab.step.user import UserStep, refused_arguments
 
 #: Their home is `memlab.step.kvcache`; kept importable from here.
 __all__ = ["cache_shape", "cache_tensors", "generate", "kv_cache_bytes", "unstaged"]

@@ -4,6 +4,7 @@ checkpointed blocks, and leaving the user's model as it was."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
@@ -27,7 +28,7 @@ from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
-from memlab.step.leftovers import left_behind
+from memlab.step.restore import restored as restored  # its home: memlab.step.restore
 
 
 def resolve_device(spec: str | None) -> torch.device:
@@ -120,15 +121,22 @@ def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -
 
 
 def cpu_to(value: Any, device: torch.device, depth: int = 0) -> Any:
-    """``value`` with its CPU tensors (itself, or inside its tuples, lists and mappings) copied
-    to ``device``: an estimate's input read from a dataset held on the CPU is on the GPU in
-    the step it predicts. A container whose type cannot be rebuilt from its items is left as
-    it is (`check_device` then says what to pass)."""
+    """``value`` with its CPU tensors (itself, or inside its tuples, lists, mappings and
+    dataclasses) copied to ``device``: an estimate's input read from a dataset held on the CPU
+    is on the GPU in the step it predicts. A container whose type cannot be rebuilt from its
+    items is left as it is (`check_device` then says what to pass)."""
     if isinstance(value, torch.Tensor):
         return value.to(device) if value.device.type == "cpu" else value
-    if depth > 4 or not isinstance(value, (Mapping, tuple, list)):
+    if depth > 4:
         return value
     try:
+        if _is_dataclass(value):  # a dataclass instance: its fields moved (`step.outputs`)
+            fields = {
+                f.name: cpu_to(getattr(value, f.name), device, depth + 1) for f in _init(value)
+            }
+            return dataclasses.replace(value, **fields)
+        if not isinstance(value, (Mapping, tuple, list)):
+            return value
         if isinstance(value, Mapping):
             items = {k: cpu_to(v, device, depth + 1) for k, v in value.items()}
             kind: Any = type(value)  # (a dict subclass: BatchEncoding, OrderedDict)
@@ -139,6 +147,14 @@ def cpu_to(value: Any, device: torch.device, depth: int = 0) -> Any:
         return type(value)(*moved)  # a namedtuple
     except Exception:  # a container of the user's that its items do not rebuild
         return value
+
+
+def _is_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, (type, Mapping))
+
+
+def _init(value: Any) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(value) if f.init]
 
 
 def forward_error(e: Exception, batch: int, tensors: Sequence[torch.Tensor]) -> Exception | None:
@@ -187,59 +203,6 @@ def optimizer_over(
         opt = torch.optim.AdamW(params, lr=config.lr, foreach=foreach)
     OWN_OPTIMIZERS.add(opt)
     return opt
-
-
-@contextlib.contextmanager
-def restored(model: nn.Module, weights: bool) -> Iterator[list[str]]:
-    """Leave ``model`` as it was: modes, gradients, its parameters' and buffers' objects (a
-    forward that rebinds a buffer, ``self.n = self.n + 1``, gets the original back),
-    ``requires_grad``, and the buffers' values (a forward may update them in any mode); with
-    ``weights`` (a training step), the parameters' values too. The gradients are taken off the
-    parameters for the block (a backward would add into them in place) and put back as they
-    were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
-    measures. Yields a note on the models of earlier runs still alive beside it, if any
-    (`memlab.step.leftovers`)."""
-    shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags and bindings
-    held = [
-        (m, name, t, isinstance(t, nn.Parameter))
-        for m in model.modules()
-        for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
-    ]
-    grads = [(p, p.grad, p.requires_grad) for _, _, p, param in held if param]
-    for p, _, _ in grads:
-        p.grad = None
-    kept = {id(t): t for _, _, t, param in held if (weights or not param) and not t.is_meta}
-    with torch.no_grad():  # a tied weight once; meta tensors hold no values
-        values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
-    try:
-        yield left_behind(model)
-    finally:
-        for m, shape in shapes:  # the same parameter and buffer objects, bound as they were
-            _reshape(m, shape)
-        for p, g, requires_grad in grads:
-            p.grad = g
-            if p.requires_grad != requires_grad:  # an inference tensor's may not be set again
-                p.requires_grad_(requires_grad)
-        for t, v in values:  # a model made under inference_mode: its tensors written in one
-            with torch.inference_mode() if t.is_inference() else torch.no_grad():
-                t.copy_(v)
-
-
-def _shape(m: nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The names ``m`` binds and the object bound to each: its attributes, parameters,
-    buffers and children (a forward may add or rebind any of them)."""
-    own = [vars(m), m._parameters, m._buffers, m._modules]
-    return [(d, dict(d)) for d in own]
-
-
-def _reshape(m: nn.Module, shape: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-    """Each name of ``m`` bound as `_shape` saw it: what a run added, removed; what it
-    rebound, back (a forward's ``self.register_buffer(...)`` or ``self.calls += 1``)."""
-    for live, kept in shape:
-        if live.keys() != kept.keys() or any(live[k] is not v for k, v in kept.items()):
-            live.clear()
-            live.update(kept)
-    m._non_persistent_buffers_set &= set(m._buffers)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.core.frames import users_traceback
+from memlab.core.ledger import default_ledger
 from memlab.core.warmup import warm_up
 from memlab.region import track
 from memlab.reports.oom import OOMExplanation
@@ -43,6 +44,7 @@ from memlab.step.model import (
     skipped,
 )
 from memlab.step.offload import HostOffload, unmarked
+from memlab.step.outputs import detach
 from memlab.step.ranks import of_run, units_of
 from memlab.step.result import RunResult
 from memlab.step.user import (
@@ -53,7 +55,6 @@ from memlab.step.user import (
     UserStep,
     check_model_fn,
     check_trainable,
-    detach,
     module_of,
 )
 
@@ -150,10 +151,13 @@ def _run(
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
         warm = functools.partial(_step, user, one, opt, scaler, amp, off)
+        # earlier runs' models still alive: left out, as in a fresh process (`step.leftovers`)
+        fresh = bool(left.held) and not hooks.since and not config.compile
+        since = default_ledger().next_serial() if fresh else hooks.since
         region: track | CompiledRegion = (  # a compiled step: measured without a dispatch mode
             CompiledRegion(device, config, model, opt)
             if config.compile
-            else track(device, breakdown=True, timeline=True, watch=[model], since=hooks.since)
+            else track(device, breakdown=True, timeline=True, watch=[model], since=since)
         )
         try:
             if config.warmup:
@@ -171,12 +175,15 @@ def _run(
             if hooks.on_measure is not None:
                 hooks.on_measure("start")
             with region:
+                for p in model.parameters() if fresh else ():
+                    region.mark(p, Category.PARAMETER)  # this run's own, known before or not
                 if hooks.on_measure is not None:
                     hooks.on_measure("opened")  # the region's clock has started
                 kept, series = step(functools.partial(_mark, region), region.phase)
             if config.mode == Mode.GENERATE:
                 chosen.append(cache_note(model, config, kept[1], kept[2], user.prefilled))
-            chosen += lever_notes(config, device) + based.notes + user.notes(config) + left
+            chosen += lever_notes(config, device) + based.notes + user.notes(config)
+            chosen += left.notes(device, left_out=fresh)
             chosen += loop.notes(config.accumulation)
             del kept
             if hooks.on_measure is not None:

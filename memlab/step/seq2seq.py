@@ -21,7 +21,7 @@ from memlab.step.decoding import (
     within_positions,
 )
 from memlab.step.kvcache import held_bytes
-from memlab.step.user import tensors_in
+from memlab.step.outputs import tensors_in
 
 Mark = Callable[[torch.Tensor, Category], None]
 #: How errors name the model (an encoder-decoder has its own messages).

@@ -15,6 +15,7 @@ from memlab.core.frames import message_of, users_unless_memlab_s
 from memlab.step.config import Amp, Mode, RunConfig, WhatIfError
 from memlab.step.loop import TRACK_INSTEAD, OwnLoop, watching
 from memlab.step.model import call, check_input, cpu_to, forward_error, users_call
+from memlab.step.outputs import loss_of, returned_loss, tensors_in
 
 ModelFn = Callable[[], nn.Module]
 InputFn = Callable[[int], Any]
@@ -132,17 +133,6 @@ class UserStep:
             ) from e
 
 
-def returned_loss(out: Any) -> torch.Tensor | None:
-    """The loss in what a training step_fn returned: a one-element tensor, a mapping's
-    ``"loss"`` (a dict of metrics, a Hugging Face output) or the first item of a tuple or list
-    (``(loss, logits)``), as such; None if there is none."""
-    if isinstance(out, Mapping):
-        out = out.get("loss")
-    elif isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    return out if isinstance(out, torch.Tensor) and out.numel() == 1 else None
-
-
 def check_trainable(model: nn.Module, config: RunConfig) -> None:
     """A WhatIfError for a model a step with grad cannot run: a training step's without
     trainable parameters, and one made under ``torch.inference_mode()`` (autograd refuses to
@@ -184,7 +174,17 @@ def check_model_fn(model_fn: Any) -> None:
 
 
 def module_of(value: Any) -> nn.Module:
-    """What model_fn returned, if it is a module; else an error that says what to pass."""
+    """What model_fn returned, if it is a module memlab can measure; else an error that says
+    what to pass."""
+    if isinstance(value, torch.jit.ScriptModule):
+        raise WhatIfError(
+            f"model_fn returned a TorchScript module ({type(value).__name__}, made by "
+            "torch.jit.script or torch.jit.trace): memlab measures a step op by op, and "
+            "TorchScript's executor runs and differentiates its graph itself (what it saves for "
+            "backward cannot be told apart as activations, and mode='inference_mode' fails "
+            "in it). Return the eager module instead, as it was before torch.jit.script or "
+            "torch.jit.trace (model_fn=lambda: model, not the scripted one)."
+        )
     if isinstance(value, nn.Module):
         return check_materialised(value)
     got = type(value).__name__
@@ -239,18 +239,6 @@ def grad_off_explained() -> Iterator[None]:
         ) from e
 
 
-def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors in an input: itself, or inside its tuples, lists and mappings."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth > 4:
-        return []
-    items = value.values() if isinstance(value, Mapping) else value
-    if not isinstance(value, (Mapping, tuple, list)):
-        return []
-    return [t for v in items for t in tensors_in(v, depth + 1)]
-
-
 def refused_arguments(e: TypeError) -> bool:
     """Whether the TypeError is the forward refusing its arguments (raised where PyTorch calls
     it, not inside it)."""
@@ -260,41 +248,3 @@ def refused_arguments(e: TypeError) -> bool:
     where = tb.tb_frame.f_code.co_filename if tb is not None else ""
     words = ("positional argument", "unexpected keyword argument", "required positional")
     return where.endswith(("module.py", "run.py")) and any(w in message_of(e) for w in words)
-
-
-def loss_of(loss_fn: LossFn | None, out: Any) -> torch.Tensor:
-    """The step's loss: ``loss_fn(out)``, or the default: the model's own loss (a ``loss`` in
-    its output mapping, or a first tensor with one element, as ``(loss, logits)``), else the
-    mean square of the output's first tensor."""
-    if loss_fn is None:
-        if isinstance(out, Mapping):  # e.g. a Hugging Face ModelOutput
-            own = out.get("loss")
-            if isinstance(own, torch.Tensor) and own.numel() == 1:
-                return own  # the model computed its loss (it was given labels)
-            out = list(out.values())
-        first = out if isinstance(out, torch.Tensor) else None
-        if isinstance(out, (list, tuple)):
-            first = next((t for t in out if isinstance(t, torch.Tensor)), None)
-        if first is None:
-            raise WhatIfError(
-                f"The model's forward returned {type(out).__name__}, which holds no tensor to "
-                "train on: return the output from forward, or pass a loss_fn."
-            )
-        if first.numel() == 1 and first.is_floating_point():
-            return first  # a forward that computes its own loss: (loss, logits), or the loss
-        return first.float().pow(2).mean()
-    loss = call("loss_fn", loss_fn, out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise WhatIfError(
-            f"loss_fn must return a scalar tensor (e.g. end it with .mean()), not {shape}."
-        )
-    return loss
-
-
-def detach(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, Mapping):
-        return {k: detach(v) for k, v in out.items()}
-    return type(out)(detach(o) for o in out) if isinstance(out, (list, tuple)) else out

@@ -1,0 +1,92 @@
+"""Leaving the user's model as it was after a run: its values, gradients, modes and bindings,
+put back part by part, so that one part that cannot be put back leaves the others done."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlab.step.leftovers import Leftovers, left_behind
+
+
+@contextlib.contextmanager
+def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
+    """Leave ``model`` as it was: modes, gradients, its parameters' and buffers' objects (a
+    forward that rebinds a buffer, ``self.n = self.n + 1``, gets the original back),
+    ``requires_grad``, and the buffers' values (a forward may update them in any mode); with
+    ``weights`` (a training step), the parameters' values too. The gradients are taken off the
+    parameters for the block (a backward would add into them in place) and put back as they
+    were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
+    measures. Yields the models of earlier runs still alive beside it (`memlab.step.leftovers`)."""
+    shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags and bindings
+    held = [
+        (m, name, t, isinstance(t, nn.Parameter))
+        for m in model.modules()
+        for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
+    ]
+    grads = [(p, p.grad, p.requires_grad) for _, _, p, param in held if param]
+    for p, _, _ in grads:
+        p.grad = None
+    kept = {id(t): t for _, _, t, param in held if (weights or not param) and not t.is_meta}
+    with torch.no_grad():  # a tied weight once; meta tensors hold no values
+        values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
+    try:
+        yield left_behind(model)
+    finally:  # each part, even if one before it failed: the values first, as the user sees them
+        _each(
+            functools.partial(_put_back, values),
+            functools.partial(_regrad, grads),
+            *(functools.partial(_reshape, m, shape) for m, shape in shapes),
+        )
+
+
+def _each(*steps: Callable[[], None]) -> None:
+    """Every step, then the first error any of them raised (a restore that fails halfway
+    would leave the user's model half as it was)."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for t, v in values:  # a model made under inference_mode: its tensors written in one
+        with torch.inference_mode() if t.is_inference() else torch.no_grad():
+            t.copy_(v)
+
+
+def _regrad(grads: list[tuple[torch.Tensor, torch.Tensor | None, bool]]) -> None:
+    for p, g, requires_grad in grads:
+        p.grad = g
+        if p.requires_grad != requires_grad:  # an inference tensor's may not be set again
+            p.requires_grad_(requires_grad)
+
+
+def _shape(m: nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The names ``m`` binds and the object bound to each: its attributes, parameters,
+    buffers and children (a forward may add or rebind any of them). Only plain dicts: a
+    TorchScript module's are views of its C++ object (``OrderedDictWrapper``), which a forward
+    cannot rebind and which cannot be cleared."""
+    own = [vars(m), m._parameters, m._buffers, m._modules]
+    return [(d, dict(d)) for d in own if isinstance(d, dict)]
+
+
+def _reshape(m: nn.Module, shape: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Each name of ``m`` bound as `_shape` saw it: what a run added, removed; what it
+    rebound, back (a forward's ``self.register_buffer(...)`` or ``self.calls += 1``)."""
+    for live, kept in shape:
+        if live.keys() != kept.keys() or any(live[k] is not v for k, v in kept.items()):
+            live.clear()
+            live.update(kept)
+    buffers, names = m._buffers, getattr(m, "_non_persistent_buffers_set", None)
+    if isinstance(buffers, dict) and isinstance(names, set):  # (not a TorchScript module's)
+        names &= set(buffers)
