@@ -25,10 +25,10 @@ GPU = 512 * MiB + 160 * MiB  # 160 MiB left after the CUDA context allowance
 LAYERS, HEADS, KV_HEADS, HIDDEN = 16, 2, 2, 128
 
 
-def llama() -> nn.Module:
+def llama(layers: int = LAYERS) -> nn.Module:
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+            num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
             num_key_value_heads=KV_HEADS, intermediate_size=128, vocab_size=1000,
             max_position_embeddings=8192,
         )
@@ -39,10 +39,10 @@ def llama() -> nn.Module:
 PER_TOKEN = 2 * LAYERS * KV_HEADS * (HIDDEN // HEADS) * 4
 
 
-def fits(batch: int, context: int) -> bool:
+def fits(batch: int, context: int, layers: int = LAYERS, gpu: int = GPU) -> bool:
     e = estimate(
-        llama, lambda b: torch.zeros(b, context - NEW, dtype=torch.long), None,
-        RunConfig(mode="generate", new_tokens=NEW, batch_size=batch), gpu=GPU,
+        lambda: llama(layers), lambda b: torch.zeros(b, context - NEW, dtype=torch.long), None,
+        RunConfig(mode="generate", new_tokens=NEW, batch_size=batch), gpu=gpu,
     )  # fmt: skip
     return e.fits()
 
@@ -67,12 +67,14 @@ def test_a_16_bit_cache_is_modelled_and_leaves_room_for_more_sequences() -> None
     assert "modelled" in str(half)
 
 
-@pytest.mark.slow
 def test_the_longest_context_at_a_batch_fits_and_one_more_token_does_not() -> None:
-    fit = fit_generation(llama, gpu=GPU, batch=8, new_tokens=NEW)
+    # four layers (each estimate a quarter of the sixteen's time) on a card they fill at a
+    # few hundred tokens
+    layers, gpu = 4, 512 * MiB + 64 * MiB
+    fit = fit_generation(lambda: llama(layers), gpu=gpu, batch=8, new_tokens=NEW)
     assert fit.searched == "context" and fit.context > 64
-    assert fits(8, fit.context) and not fits(8, fit.context + 1)
-    assert fit.cache_bytes == PER_TOKEN * fit.context * 8
+    assert fits(8, fit.context, layers, gpu) and not fits(8, fit.context + 1, layers, gpu)
+    assert fit.cache_bytes == PER_TOKEN // LAYERS * layers * fit.context * 8
 
 
 def test_fit_generation_says_what_to_pass() -> None:

@@ -3,12 +3,13 @@ measured peaks (`RankTable`), with the error of each rank."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from memlab.core.categories import Category
 from memlab.core.frames import users_traceback
 from memlab.distributed.table import RankTable
-from memlab.estimate.distributed import RankMemory
+from memlab.estimate.distributed import WORKSPACES, RankMemory
 from memlab.reports.frame import CELL, NAME, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.units import fmt_bytes
@@ -88,4 +89,18 @@ def check(measured: RankTable, predicted: RankMemory, label: str = "") -> Check:
             f"the prediction is for {predicted.world_size} ranks and the job had "
             f"{measured.world_size}: pass per_rank(estimate, {measured.world_size}, ...)."
         )
-    return Check(label, predicted, measured)
+    return Check(label, _on_their_devices(predicted, measured), measured)
+
+
+def _on_their_devices(predicted: RankMemory, measured: RankTable) -> RankMemory:
+    """``predicted`` without the cuBLAS workspaces of a GPU estimate (`per_rank` counts them as
+    unattributed) where the ranks measured ran on no GPU, which holds none."""
+    said = [n for n in predicted.notes if n.startswith(WORKSPACES)]
+    if not said or any(r.device.startswith("cuda") for r in measured.rows):
+        return predicted
+    held: dict[Category, int] = {
+        c: b for c, b in predicted.by_category.items() if c is not Category.UNATTRIBUTED
+    }
+    notes = [n for n in predicted.notes if n not in said]
+    notes.append("cuBLAS workspaces left out: the ranks ran without a GPU")
+    return replace(predicted, by_category=held, notes=tuple(notes))

@@ -26,7 +26,7 @@ libraries' own buffers (NCCL), the allocator's cache on each rank. The rule live
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memlab.core.categories import Category
@@ -43,6 +43,7 @@ __all__ = [
     "STATE",
     "STEP",
     "STRATEGIES",
+    "WORKSPACES",
     "RankMemory",
     "StrategyTable",
     "compare",
@@ -71,7 +72,7 @@ def per_rank(
     breakdown = estimate.tensors.breakdown
     if breakdown is None:
         raise ValueError("the estimate has no breakdown to divide.")
-    return divide(
+    rank = divide(
         breakdown,
         estimate.fsdp_units,
         world_size,
@@ -79,10 +80,28 @@ def per_rank(
         bucket_view=bucket_view,
         reshard_after_forward=reshard_after_forward,
     )
+    if not estimate.workspace:
+        return rank
+    # each rank's GPU keeps its own cuBLAS workspaces, as one GPU does: in the rank's total
+    # (on one GPU they are outside the tensors' breakdown, in the estimate's peak)
+    held = {**rank.by_category}
+    held[Category.UNATTRIBUTED] = held.get(Category.UNATTRIBUTED, 0) + estimate.workspace
+    said = f"{WORKSPACES}{fmt_bytes(estimate.workspace)} on every rank (as on one GPU)"
+    return replace(rank, by_category=held, notes=(*rank.notes, said))
 
 
-#: The categories a table shows, in order (those no strategy holds any of are left out).
-SHOWN = (*STATE, Category.ACTIVATION, Category.TEMPORARY, Category.INPUT)
+#: How a rank's note on its cuBLAS workspaces begins (`memlab.distributed.check` reads it).
+WORKSPACES = "cuBLAS workspaces: "
+#: The categories a table shows, in this order, then any other a row holds (those no strategy
+#: holds any of are left out): the rows add up to the total.
+SHOWN = (
+    *STATE,
+    Category.ACTIVATION,
+    Category.KV_CACHE,
+    Category.TEMPORARY,
+    Category.INPUT,
+    Category.UNATTRIBUTED,
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +116,8 @@ class StrategyTable(Result):
 
     @property
     def categories(self) -> list[Category]:
-        return [c for c in SHOWN if any(r.by_category.get(c) for r in self.rows)]
+        order = [*SHOWN, *(c for c in Category if c not in SHOWN)]
+        return [c for c in order if any(r.by_category.get(c) for r in self.rows)]
 
     def table(self) -> str:
         """The figures alone, as `compare` returned them."""
@@ -118,7 +138,11 @@ class StrategyTable(Result):
         return "\n".join(lines)
 
     def notes(self) -> list[str]:
-        return [f"{r.strategy}: {n}" for r in self.rows for n in r.notes]
+        # a note every strategy has (the workspaces) once, the others by strategy
+        first = self.rows[0].notes if self.rows else ()
+        common = [n for n in first if all(n in r.notes for r in self.rows)]
+        own = [f"{r.strategy}: {n}" for r in self.rows for n in r.notes if n not in common]
+        return [*common, *own] if len(self.rows) > 1 else own
 
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "strategies": [r.to_dict() for r in self.rows]}

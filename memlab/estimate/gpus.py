@@ -30,6 +30,8 @@ HOPPER_WORKSPACE = 4096 * KiB * 8
 LT_WORKSPACE = 1024 * KiB
 #: A rough allowance for the CUDA context and library code, outside PyTorch's allocator.
 CONTEXT = 512 * MiB
+#: The largest GPU memory memlab takes (a size past it is a typo, or a float's overflow).
+LARGEST = 1024**5
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,12 @@ def gpu(spec: str | GPU | int | None) -> GPU | None:
     if spec is None or isinstance(spec, GPU):
         return spec
     if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec > LARGEST:
+            raise ValueError(
+                f"gpu got {grouped(spec)} B, more than any GPU holds (memlab models up to "
+                f"{LARGEST // GiB // 1024:,} TiB). Pass a size below that, a name such as "
+                "'H100', or None for no limit."
+            )
         if spec <= CONTEXT:
             raise ValueError(
                 f"gpu got {spec:,}: a GPU of {spec:,} B leaves nothing after the CUDA context "
@@ -111,15 +119,22 @@ def parse(spec: str, option: str = "gpu") -> GPU:
     """A GPU from a user's text: a preset's name ("T4", "a100 80gb") or a size with its unit
     ("24GiB", "16 GB": binary, as GPU makers count). A ValueError names ``option``, what it got
     and what to pass."""
-    if _SIZE.match(spec):
-        try:
-            return _sized(spec)
-        except ValueError:
+    m = _SIZE.match(spec)
+    if m:
+        size = float(m.group(1)) * _UNIT[m.group(2).lower()]  # (too many digits: inf)
+        if size > LARGEST:
+            raise ValueError(
+                f"{option} got {_short_text(spec)}: more than any GPU holds (memlab models up to "
+                f"{LARGEST // GiB // 1024:,} TiB). Pass a smaller size, such as 80GiB, or a name "
+                "such as H100."
+            )
+        if size <= CONTEXT:
             raise ValueError(
                 f"{option} got {spec!r}: a GPU that small leaves nothing after the CUDA context "
                 f"({CONTEXT // MiB} MiB). Pass a larger size, such as 24GiB, or a name such as "
                 "H100."
-            ) from None
+            )
+        return _sized(m, int(size))
     found = _named(spec, option)
     if found is not None:
         return found
@@ -157,10 +172,17 @@ def _word_runs(name: str) -> set[str]:
     return runs | {r[:-2] for r in runs if re.search(r"\dgb$", r)}
 
 
-def _sized(spec: str) -> GPU:
-    m = _SIZE.match(spec)
-    assert m is not None
-    size = int(float(m.group(1)) * _UNIT[m.group(2).lower()])
+def _short_text(spec: str) -> str:
+    return repr(spec) if len(spec) <= 40 else repr(spec[:20] + "..." + spec[-6:])
+
+
+def grouped(n: int) -> str:
+    """``n`` with its digits grouped, or its first digits and their count where it is huge."""
+    digits = str(n)
+    return f"{n:,}" if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
+
+
+def _sized(m: re.Match[str], size: int) -> GPU:
     found = gpu(size)
     assert found is not None
     # named as the user wrote it: "24 GB" (24 GiB, as GPU makers count), said beside it

@@ -20,6 +20,7 @@ from memlab.estimate.allocator import (
     round_size,
     segment_size,
 )
+from memlab.estimate.amp import AMP_HOW
 from memlab.estimate.holders import variable_root
 from memlab.reports.oom import Lever, LiveTensor, OOMExplanation
 from memlab.reports.units import fmt_bytes
@@ -214,10 +215,12 @@ def stream_levers(
     capacity: int | None,
     held: Mapping[str, tuple[Sequence[int], str]] = {},
     fragmented: bool = False,
+    amp: Stream | None = None,
 ) -> list[Lever]:
     """The levers for a recorded stream, each predicted by replaying the stream changed as the
-    lever would change it. ``roles``: each serial's category (AMP halves activations and
-    temporaries; a quarter batch quarters inputs as well); ``held``: storages behind the
+    lever would change it. ``roles``: each serial's category (a quarter batch quarters
+    activations, temporaries and inputs); ``amp``: the stream as autocast would make it
+    (`memlab.estimate.amp`; no AMP lever without it); ``held``: storages behind the
     user's variables and when to drop them (a `del` lever for each of the largest two)."""
     scaled = ("activation", "temporary")
     # AMP and smaller batches shrink a step's activations: offered where autograd saved some
@@ -232,15 +235,11 @@ def stream_levers(
         return lambda s, n: int(n * f) if roles.get(s) in scaled + also else n
 
     found = []
+    if shrinking and amp is not None:  # the stream as autocast would make it (estimate.amp)
+        limited = replay_peak(amp, lambda s, n: n, capacity)
+        peak = limited if limited >= 0 else replay_peak(amp, lambda s, n: n, None)
+        found.append(Lever("AMP (bf16)", AMP_HOW, peak, None if capacity is None else limited >= 0))
     if shrinking:
-        found.append(
-            fit(
-                "AMP (bf16)",
-                "`with torch.autocast('cuda', dtype=torch.bfloat16):` around the forward "
-                "(activations and temporaries taken as float32, halved)",
-                times(0.5),
-            )
-        )
         found.append(
             fit(
                 "batch ÷ 4, accumulate 4",

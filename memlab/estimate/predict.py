@@ -44,7 +44,7 @@ from memlab.estimate.redirect import (
 from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
 from memlab.estimate.toggles import allocator_for, lever_notes
-from memlab.estimate.workspaces import Workspaces, workspace_note
+from memlab.estimate.workspaces import Workspaces, with_remainder, workspace_note, workspace_of
 from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
@@ -95,8 +95,7 @@ def estimate(
     since = default_ledger().next_serial()
     one_process(config)  # one rank's share: per_rank(estimate, ...) divides this estimate
     card = find_gpu(gpu)
-    if workspace is None:
-        workspace = 0 if card is None else card.workspace
+    workspace = workspace_of(workspace, card)
     listener = AllocatorListener(str(META), allocator_for(config, card), keep_events=trace)
     lt = 0 if card is None or not workspace else card.lt_workspace
     workspaces = Workspaces(listener, workspace, lt)
@@ -242,18 +241,19 @@ def _prediction(
     side = replay.side_trace
     window = side[max(start - 1, 0) : end] if side else []
     peaks = tuple(max(w[i] for w in window) for i in range(4)) if window else None
+    peak_allocated = max(a for a, _ in [before, *during])
     report = MemoryReport(
         device=f"predicted {card.describe()}" if card is not None else "predicted GPU",
         source=Source.ESTIMATE,
         allocated_before=before[0],
         allocated_after=after[0],
-        peak_allocated=max(a for a, _ in [before, *during]),
+        peak_allocated=peak_allocated,
         seconds=tensors.seconds,
         label=config.describe(),
         reserved_before=before[1],
         reserved_after=after[1],
         peak_reserved=max(r for _, r in [before, *during]),
-        breakdown=tensors.breakdown,
+        breakdown=with_remainder(tensors.breakdown, peak_allocated, after[0]),
         timeline=timeline,
         notes=tuple(n for n in notes if n),
         host=tensors.host,  # offload: bytes on the host, counted in the meta run

@@ -22,6 +22,7 @@ from typing import Any
 from memlab.core.categories import Category, stronger
 from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
+from memlab.estimate.amp import AmpStream
 from memlab.estimate.autocast import own_autocast
 from memlab.estimate.gpus import GPU
 from memlab.estimate.holders import variable_names, variable_root
@@ -73,6 +74,7 @@ class Flight:
         self.before: set[int] = set()
         self.freed: set[int] = set()
         self.failure: _Failure | None = None
+        self.amp = AmpStream(ledger)  # the stream as autocast would make it: the AMP lever
         self._begun = False  # the cell allocated (or ended): later discoveries are mid-cell
         self._modes = contextlib.ExitStack()
 
@@ -137,6 +139,7 @@ class Flight:
             return
         self.sizes[serial] = nbytes
         self.stream.append((serial, nbytes))
+        self.amp.malloc(serial, nbytes)
         if line is not None:
             self.lines[serial] = line
         if self.failure is not None:
@@ -177,6 +180,7 @@ class Flight:
 
     def _free(self, serial: int, nbytes: int) -> None:
         self.stream.append((serial, -nbytes))
+        self.amp.free(serial, nbytes)
         handle = self.handles.pop(serial, None)
         if handle is not None:
             self.allocator.free(handle)
@@ -211,11 +215,10 @@ class Flight:
             )
         # past the failure the replay stopped: what the whole cell needs, on an unlimited card
         unlimited = replay_peak(self.stream, lambda s, n: n, None)
-        card = _label(self.card)
-        explained = self._explain(found)
         before = sum(n for _, n in found.live) if found.before else 0
+        usable, peak = self.card.usable, stats.peak_allocated
         return Preflight(
-            card, self.card.usable, stats.peak_allocated, unlimited, explained, before=before
+            _label(self.card), usable, peak, unlimited, self._explain(found), before=before
         )
 
     def _explain(self, found: _Failure) -> Any:
@@ -224,29 +227,20 @@ class Flight:
                 return "before this cell" if serial in self.before else ""
             return linecache.getline(self.filename, line)
 
-        live = [
-            LiveTensor(
-                n,
-                self.role(s, found.saved),
-                tuple(found.names.get(s, ())),
-                self.lines.get(s),
-                source(self.lines.get(s), s),
-            )
-            for s, n in found.live
-        ]
+        def at(s: int, n: int) -> LiveTensor:
+            role, line = self.role(s, found.saved), self.lines.get(s)
+            return LiveTensor(n, role, tuple(found.names.get(s, ())), line, source(line, s))
+
+        live = [at(s, n) for s, n in found.live]
         holding: dict[str, list[int]] = {}
         for s, _ in found.live:  # what the user could drop: none of the step's own storages
             # (where what earlier cells left does not fit, any of it: the user knows which)
             if found.before or self.role(s, found.saved) == str(Category.OTHER):
                 for name in found.names.get(s, ()):
                     holding.setdefault(variable_root(name), []).append(s)
+        later = f"once it is no longer needed, before line {found.line}"
         held = {
-            name: (
-                serials,
-                "before this cell"
-                if self.before.issuperset(serials)
-                else f"once it is no longer needed, before line {found.line}",
-            )
+            name: (serials, "before this cell" if self.before.issuperset(serials) else later)
             for name, serials in holding.items()
         }
         roles = {s: self.role(s, self.ever_saved) for s, n in self.stream if n > 0}
@@ -262,7 +256,10 @@ class Flight:
             "would change them, through the allocator model"
         )
         if len(self.stream) <= MAX_LEVER_EVENTS:
-            levers = stream_levers(self.stream, roles, self.card.usable, held, probe.fragmented)
+            amp = self.amp.stream(roles)
+            levers = stream_levers(
+                self.stream, roles, self.card.usable, held, probe.fragmented, amp
+            )
         else:  # each lever replays the stream: ~1 s per 100,000 events
             how = (
                 f"levers left out: the cell made {len(self.stream):,} allocations and frees, "

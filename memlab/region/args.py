@@ -46,6 +46,13 @@ def check_ledger(value: Any) -> Any:
         return default_ledger()
     if isinstance(value, Ledger):
         return value
+    kind = type(value)
+    if kind.__qualname__ == "Ledger" and kind.__module__ == Ledger.__module__:
+        raise TypeError(
+            "memlab.track: ledger is a Ledger from an earlier import of memlab (its modules "
+            "were removed from sys.modules and imported again): leave ledger out to use the "
+            "default one, or make a new one with memlab.core.ledger.Ledger()."
+        )
     raise TypeError(
         f"memlab.track: ledger must be a memlab Ledger or None, got {type(value).__name__}: "
         "leave it out to use the default one."

@@ -1,0 +1,137 @@
+"""Hostile inputs, round 7 (the core and the estimator): fake tensors left in a notebook after
+their mode ended hold no memory; GPU sizes and workspaces out of range are refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memlab
+
+GiB = 1024**3
+
+
+def test_a_fake_tensor_left_after_its_mode_holds_no_memory() -> None:
+    with FakeTensorMode():
+        ff = torch.empty(100_000, 10_000)  # 4 GB on paper, nothing in memory
+    with memlab.track("cpu", breakdown=True, watch=[ff]) as t:
+        z = torch.ones(3)
+    assert t.report.allocated_before == 0
+    assert t.report.allocated_after == z.untyped_storage().nbytes() == 12
+
+
+def test_under_its_mode_a_fake_tensor_still_models_the_memory() -> None:
+    with FakeTensorMode(), memlab.track("cpu") as t:
+        x = torch.empty(1000, 1000)
+        y = x @ x
+    assert t.report.allocated_delta == 2 * 4_000_000
+    del x, y
+
+
+def test_the_magic_does_not_count_a_notebooks_fake_tensor(ip: Any) -> None:
+    run(ip, "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "with FakeTensorMode():\n    ff = torch.empty(100_000, 10_000)")  # fmt: skip
+    run(ip, "%%gpumem -q -b -d cpu -o r\nx = torch.ones(3)")
+    report = ip.user_ns["r"]
+    assert report.allocated_before == 0 and report.allocated_after == 12
+
+
+def _frames(e: BaseException) -> list[str]:
+    import traceback
+
+    return [f.filename for f in traceback.extract_tb(e.__traceback__) if "/memlab/" in f.filename]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "words"),
+    [
+        ({"gpu": "1" * 400 + "GiB"}, ValueError, "gpu got '1111"),
+        ({"gpu": 10**400}, ValueError, "gpu got 100000... (401 digits) B"),
+        ({"gpu": 2 * 1024**5}, ValueError, "more than any GPU holds"),
+        ({"gpu": "T4", "workspace": "1GiB"}, TypeError, "workspace takes the cuBLAS workspace"),
+        ({"gpu": "T4", "workspace": -1}, ValueError, "workspace got -1"),
+        ({"gpu": "T4", "workspace": 10**30}, ValueError, "workspace got 100000..."),
+        ({"gpu": "T4", "workspace": True}, TypeError, "not True"),
+    ],
+)
+def test_gpu_sizes_and_workspaces_out_of_range_are_refused_by_name(
+    kwargs: dict[str, Any], kind: type[Exception], words: str
+) -> None:
+    from memlab.estimate import estimate
+
+    with pytest.raises(kind) as caught:
+        estimate(lambda: torch.nn.Linear(8, 8), lambda b: torch.randn(b, 8), **kwargs)
+    assert words in str(caught.value) and len(str(caught.value)) < 400
+    assert _frames(caught.value) == []
+
+
+def test_the_magics_gpu_option_refuses_a_size_past_any_gpu(ip: Any) -> None:
+    result = run(ip, "%%gpumem --gpu " + "9" * 30 + "TiB\nx = torch.ones(3)")
+    assert result.error_in_exec is not None or result.error_before_exec is not None
+    error = result.error_in_exec or result.error_before_exec
+    assert "--gpu got" in str(error) and "more than any GPU holds" in str(error)
+    assert "x" not in ip.user_ns  # refused before the cell ran
+
+
+def test_a_gpu_estimates_rows_add_up_per_rank_and_on_one_gpu() -> None:
+    """Every category a rank holds is a row (the KV cache a causal LM returns in training
+    too), the cuBLAS workspaces included: the rows add up to the total, and a DDP rank (the
+    whole step and its buckets) needs more than the one GPU does."""
+    transformers = pytest.importorskip("transformers")
+    from memlab.core.categories import Category
+    from memlab.estimate import estimate, strategies
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 100, (n, 16))
+        return {"input_ids": ids, "labels": ids}
+
+    e = estimate(lambda: transformers.GPT2LMHeadModel(cfg), batch, batch_size=2, gpu="A100 80GB")
+    assert e.workspace > 0
+    breakdown = e.report.breakdown
+    assert breakdown is not None
+    assert sum(breakdown.at_peak.values()) == e.peak_allocated
+    assert sum(breakdown.at_end.values()) == e.report.allocated_after
+    table = strategies(e, 8)
+    for row in table.rows:
+        shown = sum(row.by_category.get(c, 0) for c in table.categories)
+        assert shown + row.extra == row.total
+        assert row.by_category[Category.UNATTRIBUTED] == e.workspace
+    assert Category.KV_CACHE in table.categories and "kv_cache" in str(table)
+    assert table.rows[0].strategy == "ddp" and table.rows[0].total > e.peak_allocated
+    assert str(table).count("cuBLAS workspaces") == 1  # said once, not per strategy
+
+
+def test_the_pre_flights_amp_lever_predicts_the_cell_under_autocast(ip: Any) -> None:
+    """A causal LM's loss: bfloat16 logits and their float32 copy need more than the float32
+    logits alone. The lever replays the cell as autocast types each op, so its figure is the
+    pre-flight of the same cell under autocast, not every activation halved."""
+    pytest.importorskip("transformers")
+    run(ip, "from transformers import GPT2Config, GPT2LMHeadModel\n"
+            "cfg = GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=8000, n_positions=128)\n"
+            "ids = torch.randint(0, 8000, (4, 128))")  # fmt: skip
+    step = (
+        "model = GPT2LMHeadModel(cfg).to('cuda')\n{}loss = model(input_ids=ids, labels=ids).loss\n"
+    )
+    run(ip, "%%gpumem --gpu 0.53GiB -q -o plain\n" + step.format(""))
+    plain = ip.user_ns["plain"]
+    assert plain.oom is not None  # (the levers come with an out-of-memory)
+    (amp,) = [lever for lever in plain.oom.levers if lever.name == "AMP (bf16)"]
+    run(ip, "del model, loss")
+    cast = "with torch.autocast('cuda', dtype=torch.bfloat16):\n    "
+    run(ip, "%%gpumem --gpu 0.53GiB -q -o under\n" + step.format(cast))
+    under = ip.user_ns["under"]
+    assert under.peak_reserved > plain.peak_reserved  # the logits' float32 copy
+    assert amp.peak_reserved == under.peak_reserved
+    assert amp.fits is False
+
+
+def test_a_ledger_from_an_earlier_import_is_named_as_such() -> None:
+    stale = type("Ledger", (), {"__module__": "memlab.core.ledger"})()  # as a re-import leaves
+    with pytest.raises(TypeError, match="a Ledger from an earlier import of memlab"):
+        memlab.track("cpu", ledger=stale)
