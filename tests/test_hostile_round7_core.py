@@ -135,3 +135,23 @@ def test_a_ledger_from_an_earlier_import_is_named_as_such() -> None:
     stale = type("Ledger", (), {"__module__": "memlab.core.ledger"})()  # as a re-import leaves
     with pytest.raises(TypeError, match="a Ledger from an earlier import of memlab"):
         memlab.track("cpu", ledger=stale)
+
+
+def test_a_namespace_of_very_many_tensors_is_looked_at_over_several_cells(
+    ip: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each cell registers at most MAX_FRESH of the notebook's new tensors (here 100 of 250),
+    says how many names wait, and the next cells take the rest: no first cell held for
+    seconds by a namespace of 200,000 tensors, and in the end every tensor is counted."""
+    from memlab.magic import namespace
+
+    monkeypatch.setattr(namespace, "MAX_FRESH", 100)
+    run(ip, "for i in range(250): globals()[f'many{i}'] = torch.ones(1)")
+    befores, waiting = [], []
+    for _ in range(4):
+        run(ip, "%%gpumem -d cpu -q -o r\nx = torch.ones(3)")
+        r = ip.user_ns["r"]
+        befores.append(r.allocated_before)
+        waiting.append(any("not looked at yet" in n for n in r.notes))
+    assert befores[0] <= 100 * 4 + 12 < befores[1] and befores[-1] == 250 * 4 + 12
+    assert waiting[:2] == [True, True] and waiting[-1] is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -24,7 +25,7 @@ from memlab.magic.args import (
 from memlab.magic.auto import AutoTracking, cell_number, one_line
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value, measured
 from memlab.magic.history import History
-from memlab.magic.namespace import NamespaceWatch
+from memlab.magic.namespace import MAX_FRESH, NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
@@ -144,6 +145,15 @@ class GpumemMagics(Magics):
         except RuntimeError as e:
             print(f"memlab: no report for this cell: {e.__cause__ or e}.")
             return
+        waiting = len(self._watch.waiting) if self._watch is not None else 0
+        if waiting:  # (a namespace of very many tensors: looked at over several cells)
+            said = (
+                f"{waiting:,} names in the notebook not looked at yet (at most {MAX_FRESH:,} a "
+                "cell): their tensors count when a cell uses them, the rest at the next cells"
+            )
+            reports = Reports(
+                tuple(dataclasses.replace(r, notes=(*r.notes, said)) for r in reports)
+            )
         for r in reports:
             self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports

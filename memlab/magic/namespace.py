@@ -28,6 +28,9 @@ _WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
 
 #: Containers longer than this are not looked into (the scan runs at every tracked cell).
 MAX_SCAN = 1000
+#: Objects one scan hands out at most (each costs ~15 µs to register: a namespace of 200,000
+#: tensors would hold its first cell for seconds); the names past them wait for the next scan.
+MAX_FRESH = 20_000
 _CONTAINERS = (list, tuple, dict)
 _SKIP = frozenset({str, int, float, bool, type(None), type, type(len), type(lambda: 0)})
 
@@ -108,12 +111,18 @@ class NamespaceWatch:
         #: Per name: what is handed out at every call (modules, leaves, container contents).
         self._lasting: dict[Any, list[weakref.ref[Any]]] = {}
         self._containers: set[Any] = set()
+        #: Names changed but not yet looked at (past `MAX_FRESH`): the next scan's first.
+        self.waiting: set[Any] = set()
 
     def __call__(self) -> list[Any]:
         ns = self.ns
-        changed = self._changed(ns)
+        changed = self._changed(ns) | self.waiting
+        self.waiting = set()
         fresh: list[Any] = []
         for name in changed:
+            if len(fresh) >= MAX_FRESH:
+                self.waiting.add(name)
+                continue
             self._lasting.pop(name, None)
             self._containers.discard(name)
             if name not in ns:
@@ -129,7 +138,7 @@ class NamespaceWatch:
         for name in self._containers:
             _examine(name, ns.get(name), self.hidden, fresh)
         for name, refs in self._lasting.items():
-            if name not in changed:
+            if name not in changed or name in self.waiting:
                 fresh.extend(v for v in (r() for r in refs) if v is not None)
         return fresh
 
