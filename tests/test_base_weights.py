@@ -156,7 +156,9 @@ def test_a_bad_value_names_the_argument() -> None:
 
 
 @pytest.mark.slow
-def test_an_8b_qlora_step_estimates_in_under_a_minute() -> None:
+def test_an_8b_qlora_step_estimates_on_a_laptop() -> None:
+    """Its time is a benchmark's (benchmarks/bench_llm.py: 16 s on the 2-core CPU, against a
+    minute); here a bound only against a hang, loose enough for a loaded CI machine."""
     config = transformers.LlamaConfig(
         num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=128_256, max_position_embeddings=8192,
@@ -174,7 +176,7 @@ def test_an_8b_qlora_step_estimates_in_under_a_minute() -> None:
     step = RunConfig(batch_size=1, optimizer="adamw", checkpoint="auto", base_weights="nf4")
     t0 = time.perf_counter()
     e = estimate(model_fn, batch, None, step, gpu="H100 80GB")
-    assert time.perf_counter() - t0 < 60
+    assert time.perf_counter() - t0 < 300
     with torch.device("meta"):
         want = expected_bytes(model_fn(), "nf4")
     assert e.tensors.breakdown is not None

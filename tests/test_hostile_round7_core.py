@@ -11,8 +11,33 @@ from conftest import run
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memlab
+from memlab.core.categories import Category
 
 GiB = 1024**3
+
+
+def test_a_fake_tensor_counted_under_its_mode_is_dropped_once_the_mode_ends() -> None:
+    with FakeTensorMode(), memlab.track("cpu") as t:
+        x = torch.empty(100_000, 10_000)
+    assert t.report.allocated_delta == 4_000_000_000  # modelled, under its mode
+    for breakdown in (False, True):
+        with memlab.track("cpu", breakdown=breakdown) as later:
+            z = torch.ones(3)
+        assert later.report.allocated_before == 0 and later.report.allocated_after == 12
+        del z
+    del x
+
+
+def test_a_subclass_whose_getattr_raises_is_still_counted() -> None:
+    from memlab.core.storages import storage_of
+
+    class Refusing(torch.Tensor):
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"no attribute {name}")
+
+    w = torch.ones(1000).as_subclass(Refusing)
+    st = storage_of(w)
+    assert st is not None and st.nbytes() == 4000
 
 
 def test_a_fake_tensor_left_after_its_mode_holds_no_memory() -> None:
@@ -155,3 +180,79 @@ def test_a_namespace_of_very_many_tensors_is_looked_at_over_several_cells(
         waiting.append(any("not looked at yet" in n for n in r.notes))
     assert befores[0] <= 100 * 4 + 12 < befores[1] and befores[-1] == 250 * 4 + 12
     assert waiting[:2] == [True, True] and waiting[-1] is False
+
+
+def test_a_pre_flight_answers_torch_cudas_everyday_calls_from_the_simulated_gpu(ip: Any) -> None:
+    originals = {n: getattr(torch.cuda, n) for n in ("synchronize", "memory_allocated")}
+    result = run(
+        ip,
+        "%%gpumem --gpu T4 -q -o pf\n"
+        "x = torch.randn(1024, 1024, device='cuda')\n"
+        "torch.cuda.synchronize(); torch.cuda.empty_cache()\n"
+        "seen = (torch.cuda.memory_allocated(), torch.cuda.max_memory_reserved(),"
+        " torch.cuda.mem_get_info())",
+    )
+    assert result.error_in_exec is None
+    allocated, reserved, (free, total) = ip.user_ns["seen"]
+    assert allocated == 1024 * 1024 * 4  # x, as the simulated T4 holds it
+    assert reserved == ip.user_ns["pf"].peak_reserved and total == 16 * GiB
+    assert free == total - 512 * 1024**2 - reserved  # (less the CUDA context's allowance)
+    assert {n: getattr(torch.cuda, n) for n in originals} == originals  # put back
+
+
+MLP = (
+    "def block():\n    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),"
+    " torch.nn.Linear(64, 16))\n"
+    "net = torch.nn.Sequential(block(), block(), block()){}\nx = torch.randn(2**16, 16{})"
+)
+STEP = "%%gpumem --gpu {} -q -o {}\n{}loss = net.to('cuda')(x).sum()\nloss.backward()\ndel loss"
+
+
+def test_the_amp_lever_through_a_backward_equals_the_step_under_autocast(ip: Any) -> None:
+    run(ip, MLP.format("", ""))
+    run(ip, STEP.format("600MiB", "plain", ""))
+    plain = ip.user_ns["plain"]
+    assert plain.oom is not None
+    (amp,) = [lever for lever in plain.oom.levers if lever.name == "AMP (bf16)"]
+    run(ip, "net.zero_grad(set_to_none=True)")
+    cast = "with torch.autocast('cuda', dtype=torch.bfloat16):\n    "
+    run(ip, STEP.format("600MiB", "under", cast))
+    under = ip.user_ns["under"]
+    assert under.peak_reserved < plain.peak_reserved  # here AMP helps: activations dominate
+    assert amp.peak_reserved == under.peak_reserved and amp.fits is True
+
+
+@pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float64"])
+def test_no_amp_lever_where_autocast_would_change_nothing(ip: Any, dtype: str) -> None:
+    """A model in bfloat16 already, or in float64 (autocast casts only float32): no lever."""
+    run(ip, MLP.format(f".to({dtype})", f", dtype={dtype}"))
+    run(ip, STEP.format("540MiB", "plain", ""))
+    plain = ip.user_ns["plain"]
+    assert plain.oom is not None
+    assert "AMP (bf16)" not in [lever.name for lever in plain.oom.levers]
+
+
+def test_a_what_if_run_leaves_out_the_tensors_a_notebook_holds(ip: Any) -> None:
+    """Tensors memlab learned of in earlier cells (a dataset a %%gpumem cell watched) existed
+    before the run: its figures are those of the same run with none of them around."""
+    from memlab import whatif
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+
+    def run_once() -> Any:
+        r = whatif.run(make, lambda b: torch.randn(b, 64), device="cpu", batch_size=4)
+        assert r.report is not None
+        return r.report
+
+    before = run_once()
+    run(ip, "data = torch.randn(1000, 1000)")
+    run(ip, "%%gpumem -d cpu -q\ny = data.sum()")  # the watch registers `data`: 4 MB
+    after = run_once()
+    assert (after.peak_allocated, after.allocated_before) == (
+        before.peak_allocated,
+        before.allocated_before,
+    )
+    params = sum(p.nbytes for p in make().parameters())
+    assert before.breakdown is not None and after.breakdown is not None
+    assert after.breakdown.at_peak[Category.PARAMETER] == params

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from memlab.core.categories import STICKY, Category, stronger
+from memlab.core.fakes import Fakes
 from memlab.core.listeners import Listeners
 from memlab.core.storages import Entry, PackRef, StorageRef, device_key, storage_of
 
@@ -52,6 +53,7 @@ class Ledger(Listeners):
         #: Bumped at each change to `_special` or its entries: sums over them stay right till then.
         self.special_version = 0
         self.native_roles: Any = None
+        self.fakes = Fakes()  # fake tensors' entries: forgotten once their mode ends
 
     # -- queries ----------------------------------------------------------------------------
     def total(self, device: str) -> int:
@@ -63,8 +65,7 @@ class Ledger(Listeners):
         """Serials below this value belong to storages the ledger already knows."""
         with self._lock:
             self.settle()
-            serial = next(self._serials)
-            return serial
+            return next(self._serials)
 
     def entries(self, device: str) -> list[Entry]:
         with self._lock:
@@ -103,9 +104,8 @@ class Ledger(Listeners):
 
     # -- observations -----------------------------------------------------------------------
     def _add(self, storage: torch.UntypedStorage, nbytes: int, device: str) -> Entry:
-        key = id(storage)
         ref = StorageRef(storage, self._dead.append)
-        ref.key = key
+        ref.key = key = id(storage)
         entry = Entry(next(self._serials), ref, nbytes, device)
         totals = self._totals
         if device not in totals:
@@ -132,6 +132,7 @@ class Ledger(Listeners):
                 # The tensor's device, not the storage's: a fake tensor's storage is on "meta".
                 nbytes = storage.nbytes() if nbytes is None else nbytes
                 entry = self._add(storage, nbytes, device_key(t.device))
+                self.fakes.note(t, entry.serial)
                 self._tell(entry.device, "on_discovered", entry.serial, entry.nbytes)
             return entry
 
@@ -149,14 +150,14 @@ class Ledger(Listeners):
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._add(storage, nbytes, device_key(t.device))
+                self.fakes.note(t, entry.serial)
                 self._heard(entry, nbytes, when)
             elif entry.nbytes != nbytes:
                 entry.relocate()  # grown (or shrunk) by an op: in a new block
                 self._grew(entry, nbytes, when)
             return entry
 
-    def knows(self, storage: torch.UntypedStorage) -> bool:
-        """Whether the storage is one the ledger follows."""
+    def knows(self, storage: torch.UntypedStorage) -> bool:  # (the ledger follows it)
         if self._dead:
             self.settle()
         return id(storage) in self._entries
@@ -177,12 +178,12 @@ class Ledger(Listeners):
             self._grew(entry, storage.nbytes(), time.perf_counter())
 
     def resync(self) -> None:
-        """Re-reads the size of each live storage seen resized in place before (FSDP resizes
-        the same parameter storages every step), for the resizes made while no region was open.
-        Only those: re-reading every storage would cost about 0.7 µs each at every region (7 ms
-        a cell with 10,000 tensors alive)."""
+        """Re-reads the size of each live storage seen resized in place (FSDP resizes the same
+        parameters every step) while no region was open: only those (every storage, ~0.7 µs
+        each, would cost 7 ms a cell with 10,000 alive). Fake tensors whose mode ended go."""
         with self._lock:
             self.settle()
+            self.fakes.forget(self._by_serial, self._freed)
             now = time.perf_counter()
             for serial, entry in list(self._resizing.items()):
                 storage = entry.ref() if entry.alive else None
@@ -237,8 +238,7 @@ class Ledger(Listeners):
             return
         entry = self.existing(t, storage)
         ref = PackRef(packed, self._dead.append)
-        ref.entry = entry
-        ref.step = 0
+        ref.entry, ref.step = entry, 0
         with self._lock:
             self._packs[id(ref)] = ref
             entry.saved += 1

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from memlab.core._torch import dispatch_mode_stack
+from memlab.core import fakes
 from memlab.core.categories import Category
 
 
@@ -122,25 +122,12 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
             inner = []
         if inner:
             t = inner[0]
-        elif _stale_fake(t):
+        elif fakes.stale(t):  # a fake tensor left after its mode: it models nothing now
             return None
     try:
         return t.untyped_storage()
     except Exception:  # RuntimeError, NotImplementedError, a subclass's own error
         return None
-
-
-def _stale_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a fake tensor (its storage on ``meta``, its device another) whose fake
-    mode is not on: one left in a notebook after ``with FakeTensorMode():``, which holds no
-    memory. Under its mode, fake tensors model the device's memory and are counted."""
-    mode = getattr(t, "fake_mode", None)
-    if mode is None:
-        return False
-    try:
-        return not any(m is mode for m in dispatch_mode_stack())
-    except Exception:  # a stack that cannot be read: counted, as before
-        return False
 
 
 #: The tensors that hold a sparse tensor's bytes, by layout. A COO tensor's by ``_indices`` and

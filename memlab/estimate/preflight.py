@@ -24,6 +24,7 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.amp import AmpStream
 from memlab.estimate.autocast import own_autocast
+from memlab.estimate.cuda_calls import simulated
 from memlab.estimate.gpus import GPU
 from memlab.estimate.holders import variable_names, variable_root
 from memlab.estimate.oom import explain, replay_peak, stream_levers
@@ -93,6 +94,7 @@ class Flight:
             self.ledger.attach(self)
         self._modes.enter_context(redirected(self.device))
         self._modes.enter_context(own_autocast([]))  # casting as that GPU would
+        self._modes.enter_context(simulated(lambda: self.allocator.stats, self.card))
 
     def stop(self, raised: str | None = None, lost: int = 0) -> Preflight:
         """Detach; the verdict. ``raised``: what the cell raised, if it stopped; ``lost``: ops
@@ -256,7 +258,7 @@ class Flight:
             "would change them, through the allocator model"
         )
         if len(self.stream) <= MAX_LEVER_EVENTS:
-            amp = self.amp.stream(roles)
+            amp = self.amp.stream(roles) if self.amp.changes else None  # (none: no AMP lever)
             levers = stream_levers(
                 self.stream, roles, self.card.usable, held, probe.fragmented, amp
             )

@@ -99,8 +99,7 @@ def deep_enough(nodes: int, fn: Callable[[], R]) -> R:
     the graph, the recursion limit raised while it runs and put back after (unless something
     else changed it meanwhile). Its error, if any, is raised here."""
     depth = nodes * FRAMES_PER_NODE + 200
-    base = sys.getrecursionlimit()
-    if depth + 200 < base:  # the caller's own frames: room left
+    if depth + 200 < sys.getrecursionlimit():  # the caller's own frames: room left
         return fn()
     done: list[R] = []
     failed: list[BaseException] = []
@@ -111,7 +110,8 @@ def deep_enough(nodes: int, fn: Callable[[], R]) -> R:
         except BaseException as e:  # raised in the caller's thread below
             failed.append(e)
 
-    with _LIMIT_LOCK:
+    with _LIMIT_LOCK:  # (the limit read under it: never another call's raised one)
+        base = sys.getrecursionlimit()
         raised = base + depth
         sys.setrecursionlimit(raised)
         old_stack = threading.stack_size(min(MAX_STACK, max(nodes * STACK_PER_NODE, 1 << 20)))

@@ -59,9 +59,17 @@ def _each(*steps: Callable[[], None]) -> None:
 
 
 def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for t, v in values:  # a model made under inference_mode: its tensors written in one
-        with torch.inference_mode() if t.is_inference() else torch.no_grad():
-            t.copy_(v)
+    """Each value back, every one of them even where one fails (a buffer a forward resized in
+    place no longer takes its old shape: the rest of the model still goes back)."""
+
+    def one(t: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
+        def put() -> None:  # a model made under inference_mode: its tensors written in one
+            with torch.inference_mode() if t.is_inference() else torch.no_grad():
+                t.copy_(v)
+
+        return put
+
+    _each(*(one(t, v) for t, v in values))
 
 
 def _regrad(grads: list[tuple[torch.Tensor, torch.Tensor | None, bool]]) -> None:

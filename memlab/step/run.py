@@ -151,8 +151,10 @@ def _run(
         # a generation's warm-up needs one new token to pay the one-time costs, not all of them
         one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
         warm = functools.partial(_step, user, one, opt, scaler, amp, off)
-        # earlier runs' models still alive: left out, as in a fresh process (`step.leftovers`)
-        fresh = bool(left.held) and not hooks.since and not config.compile
+        # what existed before the run (earlier runs' models still alive, a notebook's tensors
+        # memlab already knows) left out on the CPU, as in a fresh process (`step.leftovers`)
+        known = device.type == "cpu" and default_ledger().total("cpu") > 0
+        fresh = (bool(left.held) or known) and not hooks.since and not config.compile
         since = default_ledger().next_serial() if fresh else hooks.since
         region: track | CompiledRegion = (  # a compiled step: measured without a dispatch mode
             CompiledRegion(device, config, model, opt)
