@@ -256,3 +256,26 @@ def test_a_what_if_run_leaves_out_the_tensors_a_notebook_holds(ip: Any) -> None:
     params = sum(p.nbytes for p in make().parameters())
     assert before.breakdown is not None and after.breakdown is not None
     assert after.breakdown.at_peak[Category.PARAMETER] == params
+
+
+def test_the_amp_stream_frees_an_ops_copies_after_its_output() -> None:
+    """Two inputs of a float32 op cast up: both copies live until the op's output is made."""
+    from memlab.core.ledger import Ledger
+    from memlab.estimate.amp import _AFTER, AmpStream
+
+    amp = AmpStream(Ledger())
+    amp.events = [(1, 100, True), (2, 100, True), (-1, 200, None), (-1, -200, _AFTER)]
+    amp.events += [(-2, 200, None), (-2, -200, _AFTER), (3, 50, False), (4, 8, True)]
+    roles = {1: "activation", 2: "activation", 4: "temporary"}
+    assert amp.stream(roles) == [
+        (1, 50), (2, 50), (-1, 200), (-2, 200), (3, 50), (-1, -200), (-2, -200), (4, 4),
+    ]  # fmt: skip
+
+
+def test_the_amp_lever_reads_the_names_it_needs_off_memlabs_dispatch_frames() -> None:
+    """The lever reads the op being dispatched from accounting's frames: a rename there must
+    fail here, not leave the lever quietly wrong."""
+    from memlab.estimate import amp
+
+    assert {"func", "args", "kwargs", "started"} <= set(amp._DISPATCH.co_varnames)
+    assert "t" in amp._OUTPUTS.co_varnames

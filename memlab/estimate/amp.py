@@ -161,7 +161,7 @@ class AmpStream:
         """The events as (serial, bytes) for `memlab.estimate.oom.replay_peak`: the judged
         activations and temporaries at half their bytes, the copies as made."""
         out: list[tuple[int, int]] = []
-        pending: list[tuple[int, int]] = []  # transient copies: freed after the next malloc
+        pending: list[tuple[int, int]] = []  # transient copies: freed after the op's output
         for serial, nbytes, mark in self.events:
             if mark is _AFTER:
                 pending.append((serial, nbytes))
@@ -169,7 +169,7 @@ class AmpStream:
             if nbytes > 0 and mark is True and serial >= 0 and roles.get(serial) in _SCALED:
                 nbytes = max(nbytes // 2, 1)
             out.append((serial, nbytes))
-            if nbytes > 0 and pending:
+            if nbytes > 0 and serial >= 0 and pending:  # the op's output: its copies go now
                 out.extend(pending)
                 pending.clear()
         return out + pending

@@ -64,7 +64,8 @@ def with_remainder(breakdown: Breakdown | None, peak: int, end: int) -> Breakdow
         return None
     at_peak, at_end = dict(breakdown.at_peak), dict(breakdown.at_end)
     for held, total in ((at_peak, peak), (at_end, end)):
-        rest = total - sum(b for c, b in held.items() if c is not Category.UNATTRIBUTED)
-        if rest > 0:
+        held.pop(Category.UNATTRIBUTED, None)  # (the remainder, made again)
+        rest = total - sum(held.values())
+        if rest > 0:  # (none where the model's rounding moved the moment of the peak)
             held[Category.UNATTRIBUTED] = rest
     return Breakdown(at_peak, at_end, breakdown.highest)
