@@ -226,9 +226,9 @@ def stream_levers(
     # AMP and smaller batches shrink a step's activations: offered where autograd saved some
     shrinking = any(roles.get(s) == "activation" for s, n in stream if n > 0)
 
-    def fit(name: str, how: str, size: Callable[[int, int], int]) -> Lever:
-        limited = replay_peak(stream, size, capacity)
-        peak = limited if limited >= 0 else replay_peak(stream, size, None)
+    def fit(name: str, how: str, size: Callable[[int, int], int], events: Stream = stream) -> Lever:
+        limited = replay_peak(events, size, capacity)
+        peak = limited if limited >= 0 else replay_peak(events, size, None)
         return Lever(name, how, peak, None if capacity is None else limited >= 0)
 
     def times(f: float, also: tuple[str, ...] = ()) -> Callable[[int, int], int]:
@@ -236,9 +236,7 @@ def stream_levers(
 
     found = []
     if shrinking and amp is not None:  # the stream as autocast would make it (estimate.amp)
-        limited = replay_peak(amp, lambda s, n: n, capacity)
-        peak = limited if limited >= 0 else replay_peak(amp, lambda s, n: n, None)
-        found.append(Lever("AMP (bf16)", AMP_HOW, peak, None if capacity is None else limited >= 0))
+        found.append(fit("AMP (bf16)", AMP_HOW, lambda s, n: n, amp))
     if shrinking:
         found.append(
             fit(

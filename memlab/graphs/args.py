@@ -59,8 +59,8 @@ def article(words: str) -> str:
     return f"{'an' if words[:1].lower() in 'aeiou' else 'a'} {words}"
 
 
-def fields_of(value: Any) -> list[Any] | None:
-    """A dataclass instance's field values, in field order, read from the instance itself (no
+def fields_of(value: Any) -> dict[str, Any] | None:
+    """A dataclass instance's fields by name, in field order, read from the instance itself (no
     property or ``__getattr__`` of its class runs); None for what is not a dataclass instance.
     A forward may return one (``Out(logits=...)``), as Hugging Face's ``ModelOutput`` is, though
     that one is a dict too."""
@@ -72,7 +72,7 @@ def fields_of(value: Any) -> list[Any] | None:
     except Exception:  # a class whose dataclass record is not the dataclasses module's
         return None
     own = {k: v for k, v in own_attributes(value) if type(k) is str}
-    return [own[n] for n in names if n in own]
+    return {n: own[n] for n in names if n in own}
 
 
 def sizes(t: torch.Tensor) -> tuple[int | str, ...]:
@@ -140,7 +140,7 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
         elif issubclass(tp, tuple):
             stack.extend(reversed(list(tuple.__iter__(value))))
         else:
-            stack.extend(reversed(fields_of(value) or ()))
+            stack.extend(reversed((fields_of(value) or {}).values()))
     return out
 
 

@@ -5,24 +5,21 @@ field by field, as a mapping of their fields."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from memlab.graphs.args import fields_of as graph_fields
 from memlab.step.config import WhatIfError
 from memlab.step.model import call
 
 
 def fields_of(value: Any) -> dict[str, Any] | None:
-    """A dataclass instance's fields by name (not a dataclass class's, nor a mapping's: a
-    ``ModelOutput`` is unpacked as the mapping it is); None for anything else."""
-    if isinstance(value, (Mapping, type)):
-        return None
-    if not dataclasses.is_dataclass(value):
-        return None
-    return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    """A dataclass instance's fields by name, read as the graphs read them (no code of its class
+    runs); None for anything else, a mapping included (a ``ModelOutput`` is unpacked as the
+    mapping it is)."""
+    return None if isinstance(value, Mapping) else graph_fields(value)
 
 
 def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
