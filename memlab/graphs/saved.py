@@ -83,6 +83,8 @@ def unreadable(node: Any) -> bool:
 
 
 _PROBES: dict[torch.dtype, torch.Tensor] = {}
+#: A wrapped number's type, and a lower one of its kind that it does not promote.
+_BELOW = {torch.float64: torch.float16, torch.int64: torch.uint8, torch.complex128: torch.complex64}
 
 
 def wrapped_number(t: torch.Tensor) -> bool:
@@ -91,12 +93,10 @@ def wrapped_number(t: torch.Tensor) -> bool:
     `memlab.track` sees (and never on the device), so neither counts it. Told apart by type
     promotion, where a wrapped number ranks below every tensor: a 0-dim float16 tensor with it
     stays float16, with a 0-dim float64 tensor becomes float64."""
-    wrapped = {torch.float64: torch.float16, torch.int64: torch.uint8}
-    wrapped[torch.complex128] = torch.complex64
     try:
         if type(t) is not torch.Tensor or t.dim() != 0 or t.device.type != "cpu":
             return False
-        low = wrapped.get(t.dtype)
+        low = _BELOW.get(t.dtype)
         if low is None:
             return False
         probe = _PROBES.get(low)
