@@ -2,15 +2,24 @@
 order: requirements.txt, then postBuild), once per test session: the Binder tests run the
 notebooks in it, and the browser tests serve JupyterLab from it, so that the course runs in
 JupyterLab, in Chromium, on what a reader on Binder gets. (binder/apt.txt's graphviz and g++
-are taken from this machine: the test suite's own setup installs them.)"""
+are taken from this machine: the test suite's own setup installs them.)
+
+The build takes minutes, mostly pip: `start` begins it in a process of its own as soon as the
+tests are collected, so that the other tests run meanwhile and no worker waits idle for it
+(`ready` is what the tests' fixture calls: the environment, once it is built).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from filelock import FileLock
 
 ROOT = Path(__file__).parent.parent
 BINDER = ROOT / "binder"
@@ -52,3 +61,51 @@ def build(base: Path) -> dict[str, str]:
 def python(env: dict[str, str]) -> str:
     """The Python of the virtualenv whose variables are ``env``."""
     return str(Path(env["VIRTUAL_ENV"]) / "bin" / "python")
+
+
+class BuildError(RuntimeError):
+    """The environment did not build (its error, said once for every test that needs it)."""
+
+
+def ready(shared: Path) -> dict[str, str]:
+    """The environment built in the folder ``shared`` (once: whoever comes first builds it under
+    its lock, a test's fixture or `start`'s process, and the others wait for it)."""
+    made, failed = shared / "binder-env.json", shared / "binder-env.failed"
+    with FileLock(str(shared / "binder-env.lock")):
+        if failed.is_file():  # (the first build failed: its error, not a second build)
+            raise BuildError(failed.read_text())
+        if not made.is_file():
+            try:
+                base = Path(tempfile.mkdtemp(prefix="binder", dir=shared))
+                print(f"process {os.getpid()}: building in {base}", file=sys.stderr, flush=True)
+                env = build(base)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
+            made.write_text(json.dumps(env))
+        return json.loads(made.read_text())  # type: ignore[no-any-return]
+
+
+_started: list[subprocess.Popen[bytes]] = []
+
+
+def start(shared: Path) -> None:
+    """Begins building the environment in ``shared`` in a process of its own (once per folder,
+    however many workers ask); its output goes to binder-env.log there."""
+    try:
+        os.close(os.open(shared / "binder-env.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    # (Left to finish when this worker's own tests end first: another may be waiting for it.
+    # A Ctrl-C reaches it with the rest of the run's process group.)
+    command = [sys.executable, __file__, str(shared)]
+    with open(shared / "binder-env.log", "wb") as log:
+        _started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+
+
+if __name__ == "__main__":  # (`start`'s process)
+    try:
+        ready(Path(sys.argv[1]))
+    except BaseException as e:  # (said to the tests by binder-env.failed)
+        print(f"the Binder environment did not build: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from filelock import FileLock
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -39,12 +36,36 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _binder_first(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+#: Where the tests that need the Binder environment start, as a share of the others' modules.
+BINDER_AT = 0.3
+
+
+def _binder_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where tests need the Binder environment: its build starts now, in a process of its own,
+    and their modules move to a third of the way through the run, by when it is built; the
+    modules before them, and those after, keep the workers busy meanwhile. (Every pytest-xdist
+    worker orders the same items the same way: the order is what the workers are given.)"""
+    needs = [item for item in items if "binder_env" in getattr(item, "fixturenames", ())]
+    if not needs or config.option.collectonly:
+        return
+    from binder_env import start
+
+    start(_shared(config))
+    late = {item.path for item in needs}
+    rest = [item for item in items if item.path not in late]
+    modules = list(dict.fromkeys(item.path for item in rest))
+    at = modules[int(len(modules) * BINDER_AT)] if modules else None
+    cut = next((i for i, item in enumerate(rest) if item.path == at), len(rest))
+    items[:] = rest[:cut] + [item for item in items if item.path in late] + rest[cut:]
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -199,28 +220,23 @@ def run(ip: Any, source: str) -> Any:
     return ip.run_cell(source, store_history=True)
 
 
-@pytest.fixture(scope="session")
-def binder_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The Binder environment's variables (tests/binder_env.py), built once a session: under
-    pytest-xdist (scripts/test.sh), by the first worker that asks, in the folder the workers
-    share, while the others wait for it."""
-    from binder_env import build
+def _shared(config: pytest.Config) -> Path:
+    """The folder every worker of this session sees (without pytest-xdist, its own base)."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return Path(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return build(tmp_path_factory.mktemp("binder"))
-    shared = tmp_path_factory.getbasetemp().parent  # (each worker's base is a folder in it)
-    made, failed = shared / "binder-env.json", shared / "binder-env.failed"
-    with FileLock(str(shared / "binder-env.lock")):
-        if failed.is_file():  # (the first worker's build failed: its error, not a second build)
-            pytest.fail(f"the Binder environment did not build:\n{failed.read_text()}")
-        if not made.is_file():
-            try:
-                env = build(Path(tempfile.mkdtemp(prefix="binder", dir=shared)))
-            except BaseException as e:
-                failed.write_text(f"{type(e).__name__}: {e}")
-                raise
-            made.write_text(json.dumps(env))
-        return json.loads(made.read_text())  # type: ignore[no-any-return]
+
+@pytest.fixture(scope="session")
+def binder_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The Binder environment's variables (tests/binder_env.py), built once a session, in the
+    folder the workers share: by the process `_binder_first` started when the tests were
+    collected, or by the first test that needs it before then, while the others wait."""
+    from binder_env import BuildError, ready
+
+    try:
+        return ready(_shared(request.config))
+    except BuildError as e:
+        pytest.fail(f"the Binder environment did not build:\n{e}")
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,9 @@ from memlab.reports.frame import GROW
 ROOT = Path(__file__).parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts" / "browser"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
-#: The teaching notebooks (01-…, 02-…). The 00-* tours of the tools run in tests/test_notebooks.py
-#: and in the Binder test; here the tools themselves are driven by the tests above.
+#: The teaching notebooks (01-…, 02-…). The 00-* tours of the tools run in the Binder
+#: environment by nbconvert (tests/test_binder.py); here the tools themselves are driven by the
+#: tests above.
 COURSE = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.startswith("00-"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

@@ -22,7 +22,7 @@ NEW = 2
 GPU = 512 * MiB + 160 * MiB  # 160 MiB left after the CUDA context allowance
 # many thin layers: the cache (summed over layers) outgrows the prefill's attention (one
 # layer's at a time), so the search follows the cache's growth
-LAYERS, HEADS, KV_HEADS, HIDDEN = 16, 2, 2, 128
+LAYERS, HEADS, KV_HEADS, HIDDEN = 8, 1, 1, 128
 
 
 def llama(layers: int = LAYERS) -> nn.Module:
