@@ -119,3 +119,16 @@ def test_stop_keeps_the_largest_found_so_far_and_a_bad_step_is_named() -> None:
         predicted_batch(lambda b: (True, b), 10, 0)
     assert predicted(lambda b: 100 + b, 50)[0] == 0  # not even one fits
     assert predicted(lambda b: 0, 50)[0] == MAX_BATCH  # everything fits
+
+
+def test_a_line_that_meets_the_budget_far_away_is_tested_by_a_cheap_try_first() -> None:
+    # batch 1 and 2 draw a line that meets the budget near batch 1,000: before following it,
+    # batch 4 (not 16, as a jump cut short would be) tests it; it foretells 4's peak, so the
+    # search goes straight to the edge and confirms it
+    fixed, per = 10**9, 10**6
+    budget = fixed + per * 1000 + per // 2
+    got, tried = predicted(lambda b: fixed + per * b, budget)
+    assert got == 1000 and tried == [1, 2, 4, 1000, 1001]
+    # a line whose growth 4's peak does not follow (a fixed part does not make it lenient)
+    got, tried = predicted(lambda b: fixed + per * b * b, fixed + per * 1000**2)
+    assert got == 1000 and tried[:3] == [1, 2, 4] and tried[3] <= 8 * 4

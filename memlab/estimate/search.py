@@ -59,7 +59,8 @@ def largest_batch(
 
 
 #: Without a known batch that is too big, a predicted try goes at most this many times past the
-#: largest batch known to fit (a line drawn from small batches may be too flat).
+#: largest batch known to fit (a line drawn from small batches may be too flat), unless the line
+#: foretold the peak of the try before it.
 MAX_JUMP = 8
 
 
@@ -76,6 +77,9 @@ def predicted_batch(
     """The same answer as ``largest_batch``, from fewer and mostly cheap runs: two small batches
     draw the line of peak against batch, the batch where it meets ``budget`` is tried, then the
     next one past it; each try redraws the line through the two tried batches nearest the edge.
+    Where that first line meets the budget far away (past ``MAX_JUMP`` times the larger small
+    batch), a third cheap try, at twice it, tests the line first: followed all the way where it
+    foretold that try's peak, and cut short otherwise.
     Where a try gives no peak, or the line would not shorten the interval, it halves the
     interval (or doubles) as ``largest_batch`` does, so a peak that is far from a line costs no
     more tries than that search.
@@ -119,7 +123,8 @@ def _tries(
             return
         yield first
     side, streak = None, 0  # which bound the last tries moved, and how many times in a row
-    trusted = False  # whether the line foretold the last try's peak
+    trusted = False  # whether the line foretold the last try's peak (its growth, closely)
+    checked = False  # whether a cheap try has tested the first line before a long jump
     while True:
         lo, hi = bounds()
         low, high = lo + step, (hi - step if hi is not None else top)
@@ -132,7 +137,11 @@ def _tries(
             if guess is None or streak >= 2:
                 guess = max(low, 2 * lo)
             elif guess > MAX_JUMP * lo and not trusted:
-                guess, capped = MAX_JUMP * lo, True
+                # the first line, untested, meets the budget far away: a cheap try at twice
+                # the batch tests it first (a line that foretells its peak is then followed
+                # all the way); later, a jump cut short
+                guess = 2 * lo if not checked else MAX_JUMP * lo
+                checked = capped = True
         elif guess is None or streak >= 2:  # halving, as largest_batch
             guess = (lo + hi) // 2 // step * step
         batch = min(high, max(low, guess))
@@ -140,11 +149,14 @@ def _tries(
         moved = "lo" if bounds()[0] != lo else "hi"
         streak = 0 if capped else streak + 1 if moved == side else 1
         side = moved
+        # foretold: within a twentieth of the growth the line gave this try past the last one
+        # that fitted (not of the whole peak, which a large fixed part would make lenient)
         foretold = None if line is None else line[0] + line[1] * batch
         trusted = (
             foretold is not None
+            and line is not None
             and batch in peaks
-            and abs(peaks[batch] - foretold) <= foretold / 20
+            and abs(peaks[batch] - foretold) <= line[1] * abs(batch - lo) / 20
         )
 
 

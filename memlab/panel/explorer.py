@@ -28,6 +28,7 @@ from memlab.panel.search import MAX_BATCH, Tries, predicted_batch
 from memlab.panel.views import bars, png, runs_table
 from memlab.panel.work import Work
 from memlab.reports.frame import GROW
+from memlab.reports.plot import figure_class
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, RunResult, WhatIfError, run
 from memlab.step.model import config_of, resolve_device
@@ -105,6 +106,9 @@ class Explorer(BudgetLimit):
             refuse_unshown(self, c)  # a run would use other values without a word
         self._work = Work(controls(self), self.cancel_button, self._write)
         self._show_limit()
+        # the charts' matplotlib loaded with the panel (about a second, once a process), not
+        # inside the first run or search, whose time the user reads as the work's
+        figure_class()
 
     # -- what the buttons do ----------------------------------------------------------------------
     @property

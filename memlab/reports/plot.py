@@ -84,11 +84,11 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
         fig = ax.get_figure()
         assert fig is not None
         return fig, ax  # type: ignore[return-value]
-    fig = _figure_class()(figsize=size, layout="constrained", facecolor="none")
+    fig = figure_class()(figsize=size, layout="constrained", facecolor="none")
     return fig, fig.add_subplot()
 
 
-def _figure_class() -> type[Figure]:
+def figure_class() -> type[Figure]:
     """A matplotlib Figure that shows itself as an image when it is a cell's value. A Figure made
     without pyplot shows only as text ('<Figure size ...>') unless the notebook ran
     ``%matplotlib inline``; this one says how to draw itself (``_repr_png_``), so memlab
