@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from html import escape
@@ -108,7 +109,8 @@ class Explorer(BudgetLimit):
         self._show_limit()
         # the charts' matplotlib loaded with the panel (about a second, once a process), not
         # inside the first run or search, whose time the user reads as the work's
-        figure_class()
+        with contextlib.suppress(Exception):  # (a broken one: said by the first chart)
+            figure_class()
 
     # -- what the buttons do ----------------------------------------------------------------------
     @property
