@@ -19,5 +19,8 @@ case "$version" in 2.[0-5]|2.[0-5].*) older=("transformers<5" "peft<0.18") ;; es
 "$venv/bin/python" -m pip install -q "torch==$version" numpy "${older[@]}" -e "$root[lab,test]" \
   2>&1 | grep -v "is ignored" || true
 cd "$root"
+# the 00-* notebooks run in a kernel of this environment too (tests/test_notebooks.py): the
+# Binder test, left out here, runs them on the Binder environment's torch only
+export MEMLAB_NOTEBOOKS_HERE=1
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not browser" tests \
   --ignore=tests/test_binder.py --ignore=tests/test_packaging.py

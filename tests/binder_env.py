@@ -11,9 +11,11 @@ tests are collected, so that the other tests run meanwhile and no worker waits i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,16 +93,45 @@ _started: list[subprocess.Popen[bytes]] = []
 
 def start(shared: Path) -> None:
     """Begins building the environment in ``shared`` in a process of its own (once per folder,
-    however many workers ask); its output goes to binder-env.log there."""
+    however many workers ask; its process id in binder-env.started, its output in
+    binder-env.log). It lives past the worker that started it (another may be waiting for it),
+    in a process group of its own that `stop` ends."""
     try:
-        os.close(os.open(shared / "binder-env.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        claim = os.open(shared / "binder-env.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return
-    # (Left to finish when this worker's own tests end first: another may be waiting for it.
-    # A Ctrl-C reaches it with the rest of the run's process group.)
-    command = [sys.executable, __file__, str(shared)]
-    with open(shared / "binder-env.log", "wb") as log:
-        _started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    try:
+        command = [sys.executable, __file__, str(shared)]
+        with open(shared / "binder-env.log", "wb") as log:
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            )
+        _started.append(proc)
+        os.write(claim, str(proc.pid).encode())
+    finally:
+        os.close(claim)
+
+
+def stop(shared: Path) -> None:
+    """At the end of the whole run (pytest-xdist's controller, or the only process): a build
+    `start` began that is still running is ended with everything it started (pip), so that
+    nothing outlives the run (a run cut short, or one whose tests needing it never ran)."""
+    try:
+        pid = int((shared / "binder-env.started").read_text() or 0)
+    except (OSError, ValueError):
+        return
+    mine = f"{Path(__file__).name}\0{shared}".encode()
+    try:  # (the same process: its command line names this file and the folder)
+        running = pid > 0 and mine in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        running = False
+    if running:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM)
+    for proc in _started:  # (a child of this process: reaped)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+    _started.clear()
 
 
 if __name__ == "__main__":  # (`start`'s process)

@@ -36,7 +36,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _binder_first(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -45,27 +44,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-#: Where the tests that need the Binder environment start, as a share of the others' modules.
-BINDER_AT = 0.3
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the tests selected (after -k, -m and --deselect) need the Binder environment, its
+    build starts now, in a process of its own, so that the other tests run meanwhile and no
+    worker waits idle for it (pytest-xdist runs those modules about halfway through)."""
+    needs = any("binder_env" in getattr(item, "fixturenames", ()) for item in session.items)
+    if needs and not session.config.option.collectonly:
+        from binder_env import start
+
+        start(_shared(session.config))
 
 
-def _binder_first(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Where tests need the Binder environment: its build starts now, in a process of its own,
-    and their modules move to a third of the way through the run, by when it is built; the
-    modules before them, and those after, keep the workers busy meanwhile. (Every pytest-xdist
-    worker orders the same items the same way: the order is what the workers are given.)"""
-    needs = [item for item in items if "binder_env" in getattr(item, "fixturenames", ())]
-    if not needs or config.option.collectonly:
-        return
-    from binder_env import start
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # (the controller: every worker is done)
+        from binder_env import stop
 
-    start(_shared(config))
-    late = {item.path for item in needs}
-    rest = [item for item in items if item.path not in late]
-    modules = list(dict.fromkeys(item.path for item in rest))
-    at = modules[int(len(modules) * BINDER_AT)] if modules else None
-    cut = next((i for i, item in enumerate(rest) if item.path == at), len(rest))
-    items[:] = rest[:cut] + [item for item in items if item.path in late] + rest[cut:]
+        stop(_shared(session.config))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -229,8 +223,8 @@ def _shared(config: pytest.Config) -> Path:
 @pytest.fixture(scope="session")
 def binder_env(request: pytest.FixtureRequest) -> dict[str, str]:
     """The Binder environment's variables (tests/binder_env.py), built once a session, in the
-    folder the workers share: by the process `_binder_first` started when the tests were
-    collected, or by the first test that needs it before then, while the others wait."""
+    folder the workers share: by the process `pytest_collection_finish` started, or by the first
+    test that needs it before that process takes the lock, while the others wait."""
     from binder_env import BuildError, ready
 
     try:

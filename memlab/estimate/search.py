@@ -59,8 +59,9 @@ def largest_batch(
 
 
 #: Without a known batch that is too big, a predicted try goes at most this many times past the
-#: largest batch known to fit (a line drawn from small batches may be too flat), unless the line
-#: foretold the peak of the try before it.
+#: largest batch known to fit (a line drawn from small batches may be too flat), and its square
+#: where the line foretold the peak of the try before it (a try that overshoots runs, and on a
+#: CPU takes the host's memory and time).
 MAX_JUMP = 8
 
 
@@ -78,8 +79,8 @@ def predicted_batch(
     draw the line of peak against batch, the batch where it meets ``budget`` is tried, then the
     next one past it; each try redraws the line through the two tried batches nearest the edge.
     Where that first line meets the budget far away (past ``MAX_JUMP`` times the larger small
-    batch), a third cheap try, at twice it, tests the line first: followed all the way where it
-    foretold that try's peak, and cut short otherwise.
+    batch), a third cheap try, at twice it, tests the line first: followed (up to ``MAX_JUMP``
+    squared times that batch) where it foretold that try's peak, and cut short otherwise.
     Where a try gives no peak, or the line would not shorten the interval, it halves the
     interval (or doubles) as ``largest_batch`` does, so a peak that is far from a line costs no
     more tries than that search.
@@ -135,13 +136,17 @@ def _tries(
         capped = False  # a jump cut short is expected to fit: it does not count as a miss
         if hi is None:  # doubling, as largest_batch, when the line is missing or too slow
             if guess is None or streak >= 2:
+                # (without a line, e.g. peaks alike in the allocator's rounding, a doubling is
+                # no sign of a line too slow: it does not count towards the streak)
+                capped = guess is None
                 guess = max(low, 2 * lo)
             elif guess > MAX_JUMP * lo and not trusted:
                 # the first line, untested, meets the budget far away: a cheap try at twice
-                # the batch tests it first (a line that foretells its peak is then followed
-                # all the way); later, a jump cut short
+                # the batch tests it first; later, a jump cut short
                 guess = 2 * lo if not checked else MAX_JUMP * lo
                 checked = capped = True
+            elif guess > MAX_JUMP**2 * lo:  # a line that foretold a try, followed so far at most
+                guess, capped = MAX_JUMP**2 * lo, True
         elif guess is None or streak >= 2:  # halving, as largest_batch
             guess = (lo + hi) // 2 // step * step
         batch = min(high, max(low, guess))
@@ -151,13 +156,10 @@ def _tries(
         side = moved
         # foretold: within a twentieth of the growth the line gave this try past the last one
         # that fitted (not of the whole peak, which a large fixed part would make lenient)
-        foretold = None if line is None else line[0] + line[1] * batch
-        trusted = (
-            foretold is not None
-            and line is not None
-            and batch in peaks
-            and abs(peaks[batch] - foretold) <= line[1] * abs(batch - lo) / 20
-        )
+        trusted = False
+        if line is not None and batch in peaks:
+            foretold = line[0] + line[1] * batch
+            trusted = abs(peaks[batch] - foretold) <= line[1] * abs(batch - lo) / 20
 
 
 def _line(peaks: dict[int, int], lo: int, hi: int | None) -> tuple[float, float] | None:

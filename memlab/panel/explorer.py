@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from html import escape
@@ -26,10 +25,9 @@ from memlab.panel.levers import lever_values
 from memlab.panel.limit import LINE, MUTED, BudgetLimit, mib
 from memlab.panel.ranks import predicted
 from memlab.panel.search import MAX_BATCH, Tries, predicted_batch
-from memlab.panel.views import bars, png, runs_table
+from memlab.panel.views import bars, load_charts, png, runs_table
 from memlab.panel.work import Work
 from memlab.reports.frame import GROW
-from memlab.reports.plot import figure_class
 from memlab.reports.units import fmt_bytes
 from memlab.step import RunConfig, RunResult, WhatIfError, run
 from memlab.step.model import config_of, resolve_device
@@ -107,10 +105,7 @@ class Explorer(BudgetLimit):
             refuse_unshown(self, c)  # a run would use other values without a word
         self._work = Work(controls(self), self.cancel_button, self._write)
         self._show_limit()
-        # the charts' matplotlib loaded with the panel (about a second, once a process), not
-        # inside the first run or search, whose time the user reads as the work's
-        with contextlib.suppress(Exception):  # (a broken one: said by the first chart)
-            figure_class()
+        load_charts()  # (matplotlib, once a process: not inside the first run or search)
 
     # -- what the buttons do ----------------------------------------------------------------------
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -33,3 +34,11 @@ def bars(results: list[RunResult]) -> Any:
 
 def png(fig: Any) -> bytes:
     return plot.png(fig, dpi=DPI)
+
+
+def load_charts() -> None:
+    """matplotlib loaded now (about a second, once a process) rather than at the first chart,
+    inside a run or a search whose time the user reads as the work's. One that fails to load is
+    said by the first chart, as before."""
+    with contextlib.suppress(Exception):
+        plot.figure_class()
