@@ -14,15 +14,15 @@ if [ ! -x /usr/bin/chromium ]; then
          "Install Debian's chromium package (apt-get install chromium)." >&2
   fi
 fi
-# The suite runs on as many workers as the machine has cores, up to 4 (pytest-xdist; each
-# worker holds torch and the models it builds, so more would cost memory for little): a test
-# module stays on one worker (its module fixtures, a kernel or a JupyterLab, are made once), and
-# the Binder environment is built once between them (tests/conftest.py). MEMLAB_TEST_WORKERS=0
-# runs it in one process; a later -n given here wins.
 # memlab compiled to bytecode once: the suite starts well over a hundred Python processes
 # (kernels, Binder notebooks, ranks, scripts), and where PYTHONDONTWRITEBYTECODE is set each
 # would otherwise compile memlab from source again (about a second each)
 "$MEMLAB_PY" -m compileall -q -j 0 memlab > /dev/null
+# The suite runs on as many workers as the machine has cores, up to 4 (pytest-xdist; each
+# worker holds torch and the models it builds, so more would cost memory for little): a test
+# module stays on one worker (its module fixtures, a kernel or a JupyterLab, are made once), and
+# the Binder environment is built once, in a process of its own (tests/conftest.py). MEMLAB_TEST_WORKERS=0
+# runs it in one process; a later -n given here wins.
 cores="$(nproc 2>/dev/null || echo 1)"
 workers="${MEMLAB_TEST_WORKERS:-$(( cores > 4 ? 4 : cores ))}"
 [ "$workers" -le 1 ] && workers=0
