@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -574,45 +573,6 @@ def meta_tensors() -> Callable[[], Any]:
     return body
 
 
-def thread_made_tensor_kept() -> Callable[[], Any]:
-    """The body starts a thread that makes a tensor; no op of the region's thread reads it."""
-
-    def body() -> torch.Tensor:
-        box: dict[str, torch.Tensor] = {}
-        th = threading.Thread(target=lambda: box.setdefault("t", torch.ones(1000)))
-        th.start()
-        th.join()
-        return box["t"]
-
-    return body
-
-
-def other_thread_churning() -> Callable[[], Any]:
-    """Another thread allocates and frees while the region runs: none of it is the region's."""
-    x = torch.randn(1000)
-
-    def body() -> torch.Tensor:
-        stop = threading.Event()
-
-        def churn() -> None:
-            while not stop.is_set():
-                a = torch.ones(5000)
-                (a * 2).sum()
-
-        th = threading.Thread(target=churn)
-        th.start()
-        time.sleep(0.02)
-        y = x * 2
-        z = y + 1
-        del y
-        time.sleep(0.02)
-        stop.set()
-        th.join()
-        return z
-
-    return body
-
-
 WORKLOADS: dict[str, Workload] = {
     "custom-op": custom_op,
     "custom-op-backward": custom_op_backward,
@@ -644,8 +604,6 @@ WORKLOADS: dict[str, Workload] = {
     "complex-conj-neg": complex_conj_neg,
     "nested-tensor": nested_tensor,
     "meta-tensors": meta_tensors,
-    "thread-made-tensor-kept": thread_made_tensor_kept,
-    "other-thread-churning": other_thread_churning,
 }
 
 
@@ -1023,20 +981,6 @@ def resize_of_an_older_tensor(followed: bool) -> Workload:
     return build
 
 
-def thread_made_tensor_read() -> Callable[[], Any]:
-    """A thread the body starts makes a tensor (a prefetching thread, say); the region's thread
-    then reads it."""
-
-    def body() -> torch.Tensor:
-        box: dict[str, torch.Tensor] = {}
-        th = threading.Thread(target=lambda: box.setdefault("t", torch.ones(1000)))
-        th.start()
-        th.join()
-        return box["t"] * 2
-
-    return body
-
-
 def int8_weight_subclass() -> Callable[[], Any]:
     w = Int8Weight(torch.randint(-127, 127, (256, 256), dtype=torch.int8), torch.tensor(0.01))
     x = torch.randn(8, 256)
@@ -1147,11 +1091,6 @@ FIXED: dict[str, tuple[Workload, str]] = {
     "out-too-small-followed": (out_too_small(True), _GROWN),
     "resize-older": (resize_of_an_older_tensor(False), _GROWN),
     "resize-older-followed": (resize_of_an_older_tensor(True), _GROWN),
-    "thread-made-tensor-read": (
-        thread_made_tensor_read,
-        "a tensor made by another thread during the region and read by the region's thread: "
-        "registered as existing, as the dispatch mode registers it",
-    ),
     # from the review of the fixes
     "grown-then-freed": (grown_then_freed, _GROWN),
     "resized-twice": (resized_twice, _GROWN),

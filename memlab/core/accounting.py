@@ -24,6 +24,7 @@ from memlab.core.collectives import Collectives, is_collective
 from memlab.core.cuda_names import is_log_pack
 from memlab.core.frames import described
 from memlab.core.ledger import Ledger, storage_of
+from memlab.core.native import joiner
 from memlab.core.native.objects import HANDED
 from memlab.core.native.roles import native_pack
 from memlab.core.older_graphs import unpack as _unpack
@@ -78,8 +79,7 @@ class Accountant(Roles):
         self._marked: dict[tuple[int, Category], weakref.ref[torch.UntypedStorage]] = {}
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._stack = contextlib.ExitStack()
-        self._module_depth = 0
-        self._optimizer_depth = 0
+        self._module_depth = self._optimizer_depth = 0
         #: A phase the front end labelled (`memlab.track.phase`), 0 when none: it stands for
         #: "forward" and "other" while set (one attribute read on the per-event path).
         self.labelled = 0
@@ -102,6 +102,8 @@ class Accountant(Roles):
             if self.breakdown:
                 self._install_role_hooks()
             self._stack.enter_context(following_resizes(self.ledger.resized))
+            unjoin = joiner.follow(None)  # (threads it started: said, not counted)
+            self._stack.callback(lambda: self.errors.extend(unjoin()))
             mode = _Mode(self)
             self._stack.enter_context(mode)
             self._mode = mode

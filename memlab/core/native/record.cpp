@@ -1220,7 +1220,7 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 6;
+  return 7;
 }
 
 #ifndef MN_MODE_KEY
@@ -1312,6 +1312,24 @@ int mn_begin(int64_t max_events, int64_t ledger, int keep_events) {
   const int code = begin_locked(max_events, ledger, keep_events);
   release_deferred();
   return code;
+}
+
+// A thread started while the region is open joins it (memlab/core/native/joiner.py): the key
+// route's key on the calling thread too, so the record follows its ops. Where it outlives the
+// region, its next op takes the key off again (see mode_fallback). 1: joined; 0: no region
+// open on the key route (a thread of the RecordFunction route is not followed).
+int mn_thread_join() {
+#ifdef MN_MODE_KEY
+  std::lock_guard<std::mutex> g(mu);
+  if (region == 0 || route != 1) {
+    return 0;
+  }
+  c10::impl::tls_set_dispatch_key_included(kModeKey, true);
+  key_included = true;
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // Closes the region: no more events are logged. Its record stays readable until the next one.

@@ -32,7 +32,7 @@ import torch
 from memlab.core import _torch, older_graphs, resizes
 from memlab.core._torch_record import dispatch_modes_on, restore_stance, storage_address
 from memlab.core.ledger import Ledger
-from memlab.core.native import breakdown, handover, library
+from memlab.core.native import breakdown, handover, joiner, library
 from memlab.core.native.eligible import NativeNotStartedError, eager
 from memlab.core.native.frees import ON_CPU, Frees
 from memlab.core.native.roles import NativeRoles, roles_for
@@ -46,8 +46,7 @@ MAX_EVENTS = 10_000_000
 # Buffers the library writes into (one region at a time, under its lock).
 _COUNTS = (ctypes.c_int64 * 7)()
 _OUT = (ctypes.c_int64 * 5)()
-_NO_ADDRESSES = (ctypes.c_size_t * 1)()
-_NO_BYTES = (ctypes.c_int64 * 1)()
+_NO_ADDRESSES, _NO_BYTES = (ctypes.c_size_t * 1)(), (ctypes.c_int64 * 1)()
 
 
 #: The native region open now, if any (the library records one at a time, process-wide).
@@ -87,6 +86,7 @@ class NativeRegion:
         self.lost = 0
         self._stance: Any = None
         self._resizing: Any = None
+        self._unjoin: Callable[[], list[str]] = list  # (see `joiner.follow`)
         #: Address -> bytes of the older storages handed to the ledger before the end (see
         #: `hand_over`): counted in `before` then, so not again if they die in the region.
         self._handed: dict[int, int] = {}
@@ -131,6 +131,7 @@ class NativeRegion:
             raise
         self._resizing = resizing
         self._open = True
+        self._unjoin = joiner.follow(self._lib)
         _OPEN[:] = [self]
         follow_addresses(self.ledger._entries.values())
         if self.roles is not None:
@@ -195,6 +196,7 @@ class NativeRegion:
                         older_graphs.LISTENERS.remove(self._unsaved)
                     self.roles.uninstall()
         finally:
+            self.notes += self._unjoin()
             self._lib.mn_end()
             try:
                 restore_stance(self._stance)

@@ -30,6 +30,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_follows.restype = ctypes.c_int
     lib.mn_uninstall.argtypes = [ctypes.c_int]
     lib.mn_uninstall.restype = ctypes.c_int
+    lib.mn_thread_join.argtypes = []
+    lib.mn_thread_join.restype = ctypes.c_int
     lib.mn_route.argtypes = []
     lib.mn_route.restype = ctypes.c_int
     lib.mn_prefer_records.argtypes = [ctypes.c_int]
@@ -66,6 +68,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         i64,
     ]
     lib.mn_points.restype = i64
-    if lib.mn_version() != 6:
+    if lib.mn_version() != 7:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
