@@ -252,7 +252,8 @@ class Explorer(BudgetLimit):
             self._say(described(e), True)
         except BaseException as e:  # SystemExit, GeneratorExit, the user's own: on its thread
             if threading.current_thread() is threading.main_thread():
-                raise  # (a Ctrl-C of the kernel's, or the caller's own, where it runs there)
+                self._say(f"stopped: {described(e)}", True)  # (not "trying ..." any more)
+                raise
             self._say(f"the step raised {described(e)}", True)
         return None
 
