@@ -264,10 +264,12 @@ class NativeRoles(Roles):
                 self._error(e, "an optimizer's roles not read")
 
     def _name_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        # Named again where its groups or its state changed (a state made at a first step,
-        # a state_dict loaded: a new dict): the tensors of a state change in place.
+        # Named again where its groups or its state changed: a state made at a first step, a
+        # state_dict loaded (a new dict), a state tensor the step replaces (Adafactor's).
         groups, state = opt.param_groups, opt.state
+        values = (v for st in state.values() if isinstance(st, dict) for v in st.values())
         seen = (id(groups), len(groups), id(state), len(state), *(len(g["params"]) for g in groups))
+        seen += tuple(id(v) for v in values if isinstance(v, torch.Tensor))
         if self._named.get(opt) == seen:
             return
         for group in groups:
