@@ -133,10 +133,20 @@ def test_the_call_check_reads_code_not_words() -> None:
     assert not re.search(FORBIDDEN[2], _code_only(said))
 
 
+#: The one exception, and why: a CPU region's threads join it through the profile hook the
+#: threading module gives each thread it starts; the hook is set while the region is open and
+#: put back after, and each new thread gets the hook it would have had at its first call
+#: (tests/test_native_threads.py checks both).
+ALLOWED = {("memlab/core/native/joiner.py", r"\bsetprofile\(")}
+
+
 def test_memlab_never_calls_what_would_change_the_users_process() -> None:
     for path in sorted((ROOT / "memlab").rglob("*.py")):
         text = _code_only(path.read_text())
+        where = str(path.relative_to(ROOT))
         for pattern in FORBIDDEN:
+            if (where, pattern) in ALLOWED:
+                continue
             found = re.search(pattern, text)
             assert found is None, f"{path.relative_to(ROOT)}: {found.group(0) if found else ''}"
 

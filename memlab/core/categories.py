@@ -38,14 +38,16 @@ PRIORITY: dict[Category, int] = {
     c: i for i, c in enumerate([Category.HOST, *(c for c in Category if c is not Category.HOST)])
 }
 
-#: Roles a storage keeps from one region to the next. Being saved for backward (activation) or
-#: being a region's input is a role within one region only.
+#: Roles a storage keeps from one region to the next (a key/value cache kept from a generating
+#: cell is one in the next cell too). Being saved for backward (activation) or being a region's
+#: input is a role within one region only.
 STICKY = frozenset(
     {
         Category.PARAMETER,
         Category.BUFFER,
         Category.OPTIMIZER_STATE,
         Category.GRADIENT,
+        Category.KV_CACHE,
         Category.COMMUNICATION,
     }
 )
