@@ -7,10 +7,12 @@ its module and name, which a function defined in a notebook cannot give (its mod
 CUDA is not yet initialised in the parent (CUDA does not survive a fork); any other function
 is run with ``spawn``, the safe default. Pass ``start_method`` to choose.
 
-Rank 0's return value comes home as JSON through a file (never pickled): a `RankTable`, a dict
-of them (one per strategy, say), or any value ``json.dumps`` takes. Under ``torchrun`` the same
-call runs the function in this process (the ranks already exist) and returns rank 0's value on
-rank 0, ``None`` on the others.
+Rank 0's return value comes home as JSON through a file (never pickled), unchanged: None,
+numbers, strings, lists, dicts with string keys, and `RankTable`s anywhere in them
+(`memlab.distributed.value`); anything JSON would change is refused with what to return instead.
+An interrupt (Ctrl-C, the stop button) or ``timeout`` stops every rank (`memlab.distributed.ranks`).
+Under ``torchrun`` the same call runs the function in this process (the ranks already exist) and
+returns rank 0's value on rank 0, ``None`` on the others.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 
 from memlab.core.frames import users_traceback
-from memlab.distributed.table import RankTable
+from memlab.distributed.ranks import mark, marked, seconds, start, stop, timed_out, wait
+from memlab.distributed.value import received, send
 
 BACKENDS = ("gloo", "nccl")
 #: This file's frames are left out of a rank's traceback: the user's code is what it shows.
@@ -42,30 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _encode(value: Any) -> str:
-    if isinstance(value, RankTable):
-        return json.dumps({"kind": "RankTable", "value": value.to_dict()})
-    if isinstance(value, dict) and value and all(isinstance(v, RankTable) for v in value.values()):
-        tables = {str(k): v.to_dict() for k, v in value.items()}
-        return json.dumps({"kind": "RankTables", "value": tables})
-    try:
-        return json.dumps({"kind": "json", "value": value})
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            "memlab.distributed.launch brings rank 0's return value home as JSON: return a "
-            "RankTable (memlab.distributed.gather), a dict of them, or numbers, strings, lists "
-            f"and dicts, not "
-            f"{type(value).__name__}."
-        ) from e
-
-
-def _decode(text: str) -> Any:
-    d = json.loads(text)
-    if d["kind"] == "RankTables":
-        return {k: RankTable.from_dict(v) for k, v in d["value"].items()}
-    return RankTable.from_dict(d["value"]) if d["kind"] == "RankTable" else d["value"]
 
 
 def _worker(
@@ -82,17 +61,18 @@ def _worker(
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    mark(out, rank, "started")
     try:
         try:
             value = fn(rank, world_size, *args)
-            if rank == 0:
-                Path(out).write_text(_encode(value))
         except BaseException as e:  # SystemExit too: the rank that stopped first is the cause
             _record_failure(out, rank, e)
             raise
+        if rank == 0:
+            send(out, value)
+        mark(out, rank, "returned")
         dist.barrier()  # no rank tears the group down while another still uses it
-        with contextlib.suppress(OSError):  # past the barrier: every rank's fn has returned
-            Path(f"{out}.rank{rank}.done").touch()
+        mark(out, rank, "done")  # past the barrier: every rank's fn has returned
     finally:
         dist.destroy_process_group()
 
@@ -102,9 +82,14 @@ class RankError(RuntimeError):
     of the rank's own code (the error itself stayed in the rank's process)."""
 
     def __init__(self, rank: int, world_size: int, kind: str, message: str, trace: str) -> None:
+        where = (
+            f"rank {rank}'s traceback:)\n{trace}"
+            if trace
+            else "no line of fn's ran: the call fn(rank, world_size, *args) itself failed)"
+        )
         super().__init__(
             f"rank {rank} of {world_size} raised {kind}: {message}\n"
-            f"(the other ranks were stopped; rank {rank}'s traceback:)\n{trace}"
+            f"(the other ranks were stopped; {where}"
         )
         self.rank, self.kind, self.message = rank, kind, message
 
@@ -113,7 +98,7 @@ def _record_failure(out: str, rank: int, e: BaseException) -> None:
     """What ``fn`` raised on this rank, as JSON beside rank 0's value, stamped with the time:
     the first rank to fail is the cause, the others' errors (a collective cut short) follow."""
     tb = traceback.extract_tb(e.__traceback__)
-    mine = [f for f in tb if f.filename != _HERE] or tb
+    mine = [f for f in tb if f.filename != _HERE]  # none: fn's own call failed (its arguments)
     record = {
         "rank": rank,
         "time": time.time_ns(),
@@ -146,12 +131,11 @@ def _finished(out: str, world_size: int) -> bool:
     barrier, which no rank reaches before every rank's ``fn`` has returned. A rank can still be
     lost after that, in PyTorch's own teardown (an abort at exit, rarely): the job's
     answer is whole all the same."""
-    return Path(out).exists() and any(
-        Path(f"{out}.rank{r}.done").exists() for r in range(world_size)
-    )
+    sent = Path(out).exists() or Path(f"{out}.unsendable").exists()
+    return sent and any(marked(out, r, "done") for r in range(world_size))
 
 
-def _warn_exit(stopped: Exception) -> None:
+def _warn_exit(stopped: str) -> None:
     import warnings
 
     warnings.warn(
@@ -174,15 +158,21 @@ def launch(
     *,
     args: Sequence[Any] = (),
     start_method: str | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks joined in one process group
     (``backend``: ``"gloo"`` for CPUs, ``"nccl"`` for one GPU per rank) and returns what rank 0's
     ``fn`` returned. Under ``torchrun`` the ranks exist already: ``fn`` runs here, with the
-    launcher's world size."""
+    launcher's world size (``timeout`` is then the launcher's to keep).
+
+    ``timeout``: seconds the job may take, start included (None: no limit); past it, or on an
+    interrupt (Ctrl-C, a notebook's stop button), every rank is stopped: the time limit's
+    ``TimeoutError`` names the ranks still in ``fn``."""
     if not callable(fn):
         raise TypeError(f"fn must be a function fn(rank, world_size), got {type(fn).__name__}.")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+    limit = seconds(timeout)
     if _under_torchrun():
         return _here(fn, backend, args)
     if type(world_size) is not int or world_size < 1:
@@ -207,28 +197,32 @@ def launch(
             f"start_method must be one of {', '.join(multiprocessing.get_all_start_methods())}, "
             f"got {method!r}."
         )
-    from torch.multiprocessing.spawn import start_processes
-
+    deadline = None if limit is None else time.monotonic() + limit
     with tempfile.TemporaryDirectory(prefix="memlab-launch-") as tmp:
         out = str(Path(tmp) / "rank0.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
         with _main_described():
-            try:
-                start_processes(
-                    _worker,
-                    args=(fn, world_size, backend, init, out, args),
-                    nprocs=world_size,
-                    start_method=method,
-                )
-            except Exception as e:
-                if _finished(out, world_size):
-                    _warn_exit(e)
-                    return _decode(Path(out).read_text())
-                failure = _first_failure(out, world_size, e)
-                if failure is None:  # not fn's error (a rank killed, the group not formed)
-                    raise
-                raise failure from None  # its message holds the rank's own traceback
-        return _decode(Path(out).read_text())
+            ranks = start(_worker, (fn, world_size, backend, init, out, args), world_size, method)
+        try:
+            done = wait(ranks, deadline)
+        except BaseException as e:  # torch stops the ranks after one's failure; nothing else does
+            stop(ranks.processes)  # an interrupt: no rank outlives the call, or the folder
+            if not isinstance(e, Exception):
+                raise
+            if _finished(out, world_size):
+                _warn_exit(str(e))
+                return received(out)
+            failure = _first_failure(out, world_size, e)
+            if failure is None:  # not fn's error (a rank killed, the group not formed)
+                raise
+            raise failure from None  # its message holds the rank's own traceback
+        if not done:  # only a time limit ends the wait early
+            assert limit is not None
+            stop(ranks.processes)
+            if not _finished(out, world_size):
+                raise timed_out(out, world_size, limit) from None
+            _warn_exit(f"it had not exited when timeout={limit:g} s passed, and was stopped")
+        return received(out)
 
 
 @contextlib.contextmanager
