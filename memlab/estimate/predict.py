@@ -49,7 +49,7 @@ from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
-from memlab.step.model import config_of
+from memlab.step.model import check_flags, config_of
 from memlab.step.ranks import one_process
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
@@ -91,6 +91,7 @@ def estimate(
     >>> e = estimate(lambda: GPT(), lambda b: torch.randint(0, 50257, (b, 512)), gpu="T4")
     >>> e.fits(), e.peak_allocated, e.peak_reserved
     """
+    check_flags(WhatIfError, cuda_kernels=cuda_kernels, trace=trace)
     config = config_of(config, settings).with_(device="meta", budget=None)
     since = default_ledger().next_serial()
     one_process(config)  # one rank's share: per_rank(estimate, ...) divides this estimate

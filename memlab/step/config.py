@@ -6,6 +6,7 @@ string: ``RunConfig(amp="bf16")`` and ``RunConfig(amp=Amp.BF16)`` are the same c
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -143,9 +144,12 @@ class RunConfig:
         if self.logits not in ("last", "all"):
             raise WhatIfError(f"logits must be 'last' or 'all', not {self.logits!r}.")
         for name in ("batch_size", "accumulation", "iterations", "new_tokens", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise WhatIfError(f"{name} must be a whole number ≥ 1, not {value!r}.")
+            value = _whole(getattr(self, name))
+            if value is None or value < 1:
+                raise WhatIfError(
+                    f"{name} must be a whole number ≥ 1, not {getattr(self, name)!r}."
+                )
+            object.__setattr__(self, name, value)  # (a numpy integer: kept as an int, JSON-safe)
         if self.batch_size % self.accumulation:
             raise WhatIfError(
                 f"batch_size {self.batch_size} does not split into {self.accumulation} equal "
@@ -154,8 +158,10 @@ class RunConfig:
         if not _learning_rate(self.lr):
             raise WhatIfError(f"lr must be a learning rate ≥ 0 (e.g. 1e-3), not {self.lr!r}.")
         object.__setattr__(self, "lr", float(self.lr))  # (a numpy float or 0-d tensor: JSON-safe)
-        if self.budget is not None and (type(self.budget) is not int or self.budget <= 0):
+        budget = None if self.budget is None else _whole(self.budget)
+        if self.budget is not None and (budget is None or budget <= 0):
             raise WhatIfError(f"budget must be a positive number of bytes, not {self.budget!r}.")
+        object.__setattr__(self, "budget", budget)
         object.__setattr__(self, "compile", compile_of(self.compile, WhatIfError))
         check_levers(self, WhatIfError)
         check_compile(self, WhatIfError)
@@ -259,6 +265,17 @@ def _check_ranks(c: RunConfig) -> None:
             "one: use mode='train' (and retention='off'), or world_size=1 (a forward alone is "
             "the same on every rank)."
         )
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int where it is a whole number: an int, a numpy integer (a sweep over
+    ``np.arange``), anything with ``__index__``; None for anything else, a bool too."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError, RuntimeError):  # (a float, a tensor of many elements)
+        return None
 
 
 def _learning_rate(lr: Any) -> bool:

@@ -34,7 +34,7 @@ from memlab.step.kvcache import (
     kv_cache_bytes,
     static_cache,
 )
-from memlab.step.model import call, check_device, cpu_to
+from memlab.step.model import call, check_device, check_keywords, cpu_to
 from memlab.step.outputs import tensors_in
 from memlab.step.seq2seq import encoder_decoder, is_encoder_decoder
 from memlab.step.user import UserStep, refused_arguments
@@ -68,6 +68,7 @@ def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unsta
     prompt = call("input_fn", user.input_fn, config.batch_size)
     if user.device.type == "meta":  # an estimate: a prompt from the CPU is on the GPU
         prompt = cpu_to(prompt, user.device)
+    check_keywords(prompt)  # (a mapping: the model's keyword arguments)
     check_device("input_fn's result", tensors_in(prompt), user.device)
     for t in tensors_in(prompt):
         mark(t, Category.INPUT)
@@ -170,7 +171,14 @@ def _pair(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _takes(model: Any, name: str) -> bool:
+    """Whether the model's forward names the argument ``name``. A wrapper whose forward takes
+    its arguments through ``**kwargs`` and hands them to the model it wraps (a peft model's
+    ``get_base_model()``, a LoRA Llama's) is asked about that model's forward."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base):  # (one that fails to give it: asked about its own forward)
+        with contextlib.suppress(Exception):
+            model = base()
     try:
         return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         return False

@@ -28,6 +28,7 @@ from memlab.core.native.region import hand_over_open
 from memlab.step.checkpoint import blocks as blocks  # their home is memlab.step.checkpoint
 from memlab.step.checkpoint import checkpointed as checkpointed
 from memlab.step.config import Amp, Optimizer, RunConfig, WhatIfError
+from memlab.step.options import check_flags as check_flags  # for estimate's own switches
 from memlab.step.restore import restored as restored  # its home: memlab.step.restore
 
 
@@ -107,7 +108,23 @@ def check_input(value: Any, tensors: list[torch.Tensor], device: torch.device, o
             "forward's arguments, or a dict of its keyword arguments (or give "
             "step_fn=lambda model, batch: ... to use it)."
         )
+    if not own:
+        check_keywords(value)
     check_device("input_fn's result", tensors, device)
+
+
+def check_keywords(value: Any) -> None:
+    """A WhatIfError for a mapping from input_fn whose keys are not all strings: it is the
+    forward's keyword arguments, and Python's own error would come from inside the call."""
+    bad = [k for k in value if not isinstance(k, str)] if isinstance(value, Mapping) else []
+    if bad:
+        raise WhatIfError(
+            f"input_fn returned a {type(value).__name__} with keys that are not strings "
+            f"({bad[0]!r} first): a mapping is the forward's keyword arguments, so its keys are "
+            "their names, e.g. {'input_ids': ..., 'attention_mask': ...}. Return a tuple for "
+            "positional arguments (or, outside mode='generate', give step_fn=lambda model, "
+            "batch: ... to use it as it is)."
+        )
 
 
 def check_device(what: str, tensors: list[torch.Tensor], device: torch.device) -> None:
@@ -240,6 +257,23 @@ def skipped(opt: torch.optim.Optimizer | None) -> bool:
     if opt is None or not any(opt.defaults.get(k) for k in ("momentum", "betas")):
         return False
     return not any(opt.state.values())
+
+
+def check_scalable(model: nn.Module, config: RunConfig, own_backward: bool) -> None:
+    """A WhatIfError where amp='fp16' would unscale fp16 gradients, which torch's GradScaler
+    refuses deep in its step. Checked where the scaler steps, so an estimate, which runs
+    without one, says the same; a step_fn that ran backward itself is stepped without it."""
+    if config.amp != Amp.FP16 or own_backward:
+        return
+    half = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if half:
+        raise WhatIfError(
+            f"amp='fp16' unscales the gradients with torch's GradScaler, which refuses fp16 "
+            f"gradients, and {len(half)} trainable parameter(s) are fp16 themselves "
+            f"({half[0]!r} first: a model made with .half() or torch_dtype=torch.float16). "
+            "Pass amp='bf16' (no scaler), amp='off' (a step in the parameters' own fp16), or "
+            "keep fp32 master weights: build the model in fp32, and autocast computes in fp16."
+        )
 
 
 def allocated(device: torch.device) -> int:

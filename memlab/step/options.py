@@ -160,6 +160,14 @@ AMP, MODES, RETENTION, OPTIMIZERS = (c.values() for c in (Amp, Mode, Retention, 
 AMP_DTYPES = {a.value: a.dtype for a in Amp if a.dtype is not None}
 
 
+def check_flags(error: type[Exception], **flags: Any) -> None:
+    """Each of ``flags`` True or False (``estimate(cuda_kernels=..., trace=...)``): a string
+    such as 'no' is truthy, and would switch on what it meant to switch off."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise error(f"{name} must be True or False, not {value!r}.")
+
+
 def check_levers(c: Any, error: type[Exception]) -> None:
     """The lever fields (`memlab.step.levers`): each value, and what it cannot go with."""
     for name in LEVER_FLAGS:

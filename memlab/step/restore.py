@@ -18,17 +18,22 @@ from memlab.step.leftovers import Leftovers, left_behind
 def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
     """Leave ``model`` as it was: modes, gradients, its parameters' and buffers' objects (a
     forward that rebinds a buffer, ``self.n = self.n + 1``, gets the original back),
-    ``requires_grad``, and the buffers' values (a forward may update them in any mode); with
-    ``weights`` (a training step), the parameters' values too. The gradients are taken off the
-    parameters for the block (a backward would add into them in place) and put back as they
-    were. Values are kept as copies on the CPU: a copy on the GPU would double what the run
-    measures. Yields the models of earlier runs still alive beside it (`memlab.step.leftovers`)."""
-    shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags and bindings
+    ``requires_grad``, the storage each of them holds (a step_fn's ``model.half()`` or
+    ``.to(device)`` swaps their ``.data``: the original storage, its dtype and device come
+    back), and the buffers' values (a forward may update them in any mode); with ``weights``
+    (a training step), the parameters' values too. The gradients are taken off the parameters
+    for the block (a backward would add into them in place) and put back as they were. Values
+    are kept as copies on the CPU: a copy on the GPU would double what the run measures (a
+    swapped-out storage stays alive until it is put back, as the user's model holds it).
+    Yields the models of earlier runs still alive beside it (`memlab.step.leftovers`)."""
+    shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags, bindings, hooks
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
         for m in model.modules()
         for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
     ]
+    storages = list({id(t): (t, t.data) for _, _, t, _ in held}.values())
+    hooked = [(t, name, _hooks_of(t, name)) for t, _ in storages for name in TENSOR_HOOKS]
     grads = [(p, p.grad, p.requires_grad) for _, _, p, param in held if param]
     for p, _, _ in grads:
         p.grad = None
@@ -39,8 +44,10 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
         yield left_behind(model)
     finally:  # each part, even if one before it failed: the values first, as the user sees them
         _each(
+            functools.partial(_rebind, storages),
             functools.partial(_put_back, values),
             functools.partial(_regrad, grads),
+            *(functools.partial(_unhook, t, name, was) for t, name, was in hooked),
             *(functools.partial(_reshape, m, shape) for m, shape in shapes),
         )
 
@@ -58,6 +65,33 @@ def _each(*steps: Callable[[], None]) -> None:
         raise first
 
 
+def _rebind(storages: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each tensor on the storage it held before, where the run set another under it
+    (``Module.half()``, ``.double()``, ``.to(device)`` keep the Parameter and swap its
+    ``.data``): copying the saved values into the new one would cast them, and round them."""
+
+    def one(t: torch.Tensor, data: torch.Tensor) -> Callable[[], None]:
+        def put() -> None:
+            with torch.inference_mode() if t.is_inference() else torch.no_grad():
+                t.data = data
+
+        return put
+
+    _each(*(one(t, d) for t, d in storages if not _same(t, d)))
+
+
+def _same(t: torch.Tensor, d: torch.Tensor) -> bool:
+    """Whether ``t`` still holds ``d``'s storage, as ``d`` does (``is_set_to`` has no meta
+    kernel: a meta tensor's storage has no address, and its layout alone is compared)."""
+    if t.layout != torch.strided:  # (a sparse tensor's layout has no strides: left as it is)
+        return True
+    if (t.dtype, t.device, t.shape, t.stride()) != (d.dtype, d.device, d.shape, d.stride()):
+        return False
+    if t.storage_offset() != d.storage_offset():
+        return False
+    return t.is_meta or t.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+
+
 def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Each value back, every one of them even where one fails (a buffer a forward resized in
     place no longer takes its old shape: the rest of the model still goes back)."""
@@ -72,6 +106,30 @@ def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     _each(*(one(t, v) for t, v in values))
 
 
+#: A tensor's own hooks (``p.register_hook``, ``p.register_post_accumulate_grad_hook``).
+TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooks_of(t: torch.Tensor, name: str) -> tuple[Any, dict[Any, Any] | None]:
+    """The dict of hooks ``name`` (None until a first hook is registered), and its contents."""
+    d = getattr(t, name, None)
+    return d, dict(d) if isinstance(d, dict) else None
+
+
+def _unhook(t: torch.Tensor, name: str, was: tuple[Any, dict[Any, Any] | None]) -> None:
+    """The hooks ``name`` of ``t`` as they were: those the run registered, removed. Emptied in
+    place, since autograd calls the dict it was handed; a dict set in place of the first, the
+    first set back (None, for ``_backward_hooks``, also unregisters autograd's own)."""
+    d, (first, kept) = getattr(t, name, None), was
+    if not isinstance(d, dict) or (d is first and d == kept):
+        return
+    d.clear()
+    if d is first and kept is not None:
+        d.update(kept)
+    else:
+        setattr(t, name, first)
+
+
 def _regrad(grads: list[tuple[torch.Tensor, torch.Tensor | None, bool]]) -> None:
     for p, g, requires_grad in grads:
         p.grad = g
@@ -83,8 +141,10 @@ def _shape(m: nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The names ``m`` binds and the object bound to each: its attributes, parameters,
     buffers and children (a forward may add or rebind any of them). Only plain dicts: a
     TorchScript module's are views of its C++ object (``OrderedDictWrapper``), which a forward
-    cannot rebind and which cannot be cleared."""
-    own = [vars(m), m._parameters, m._buffers, m._modules]
+    cannot rebind and which cannot be cleared. And its hooks' dicts, whose contents a step_fn's
+    ``register_forward_hook`` changes without rebinding them."""
+    hooks = [d for name, d in vars(m).items() if "hooks" in name and isinstance(d, dict)]
+    own = [vars(m), m._parameters, m._buffers, m._modules, *hooks]
     return [(d, dict(d)) for d in own if isinstance(d, dict)]
 
 

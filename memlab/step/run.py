@@ -36,6 +36,7 @@ from memlab.step.model import (
     autocast_of,
     call,
     check_device,
+    check_scalable,
     checkpointed,
     config_of,
     random_kept,
@@ -282,6 +283,7 @@ def _step(
                 loss = user.loss(out, config.accumulation)  # None: step_fn ran backward
             user.backward(loss, scaler)
             del out, loss
+        check_scalable(model, config, user.own_backward)  # fp16 parameters: before the scaler
         if scaler is not None and not user.own_backward:  # theirs was not scaled
             scaler.step(opt)
             scaler.update()
