@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from memlab.core.categories import Category
 from memlab.core.choices import PeakScope, Source, TimelineSource
 from memlab.core.cuda import DriverView
+from memlab.core.frames import users_traceback
 from memlab.reports.host import HostMemory
 from memlab.reports.protocol import Result
 
@@ -214,7 +216,8 @@ class MemoryReport(Result):
 
         return plot_timeline(self, ax)
 
-    def to_snapshot(self, path: str | Path) -> Path:
+    @users_traceback()  # (a path refused: said without memlab's frames)
+    def to_snapshot(self, path: str | os.PathLike[str]) -> Path:
         """Write the timeline as a PyTorch memory snapshot (a pickle that torch's viewer,
         https://pytorch.org/memory_viz, and `memlab.load_snapshot` open). Needs a timeline
         (``timeline=True``); allocations are made up to add up to it exactly."""

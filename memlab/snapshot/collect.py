@@ -11,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from memlab.snapshot.limits import check_event_size
 from memlab.snapshot.trace import (
     _BY_NAME,
     BEFORE,
@@ -95,6 +96,8 @@ class Collector:
             self.events += 1
             t = (float(e.get("time_us", self.t0)) - self.t0) / 1e6 if self.timed else float(i)
             size = int(e.get("size", 0))
+            if size < 0:
+                check_event_size(size)
             if action == "alloc":
                 line, phase = frames_of(e.get("frames"))
                 group = _BY_NAME.get(e.get("phase", ""), phase)

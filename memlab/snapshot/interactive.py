@@ -11,6 +11,7 @@ largest allocations are points to hover, with their size, category, shape and so
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
@@ -18,8 +19,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.trace import GROUPS, HOVER_ALLOCATIONS, Trace, reduce
+from memlab.snapshot.write import opened, writable
 
 #: Points drawn for the stacked areas, whatever the number of events.
 POINTS = 6_000
@@ -71,14 +74,15 @@ class Chart:
     def _repr_html_(self) -> str:
         return self.html()
 
-    def save(self, path: str | Path) -> Path:
+    @users_traceback()
+    def save(self, path: str | os.PathLike[str]) -> Path:
         """A standalone HTML page (no network needed to open it)."""
-        p = Path(path)
-        p.write_text(
-            f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(self.title)}"
-            f"</title></head><body>{self.html()}</body></html>",
-            encoding="utf-8",
-        )
+        p = writable(path, "chart.html")
+        with opened(p, binary=False) as f:
+            f.write(
+                f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(self.title)}"
+                f"</title></head><body>{self.html()}</body></html>"
+            )
         return p
 
 

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
+from memlab.snapshot.limits import check_counts, check_values
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
 from memlab.snapshot.stream import stream
 from memlab.snapshot.trace import Trace, busiest, choose, reserving_most, source_line
-from memlab.snapshot.unpickle import SnapshotError
+from memlab.snapshot.unpickle import SnapshotError, check_path
 
 
 @users_traceback()
 def load_snapshot(
-    path: str | Path,
+    path: str | os.PathLike[str],
     device: int | None = None,
     *,
     first_view: Callable[[Snapshot], object] | None = None,
@@ -41,6 +42,7 @@ def load_snapshot(
     (a note says where it stopped). Ctrl-C stops it too (``KeyboardInterrupt``, nothing kept)."""
     _check_callable(first_view, "first_view")
     _check_callable(progress, "progress")
+    path = check_path(path)
     name = str(path)
 
     def segments_read(segments: list[dict[str, Any]]) -> None:
@@ -71,36 +73,12 @@ def load_snapshot(
         return _report(data, name, dev, trace, collector.events, frames.line, state)
 
 
-#: Blocks read at most, all segments together. A real program's snapshot holds far fewer; a
-#: pickle can list one block again and again in a few bytes (its memo), and millions of them
-#: would take minutes and gigabytes to read.
-MAX_BLOCKS = 1_000_000
-#: Segments read at most: each is at least 2 MiB of a GPU (80 GiB: 40,960 of them).
-MAX_SEGMENTS = 100_000
-
-
 def check_blocks(segments: Any, name: str) -> None:
-    """A `SnapshotError` where ``segments`` are more than `MAX_SEGMENTS` or list more than
-    `MAX_BLOCKS` blocks (counted without reading them)."""
-    if not isinstance(segments, (list, tuple)):
-        return  # (the layout's own check says what is wrong)
-    if len(segments) > MAX_SEGMENTS:
-        raise SnapshotError(
-            f"{name} lists {len(segments):,} segments, more than memlab reads ({MAX_SEGMENTS:,}; "
-            "a GPU of 80 GiB holds at most 40,960): pass a file written by "
-            "torch.cuda.memory._dump_snapshot."
-        )
-    n = 0
-    for s in segments:
-        blocks = s.get("blocks") if isinstance(s, Mapping) else None
-        if isinstance(blocks, (list, tuple)):
-            n += len(blocks)
-    if n > MAX_BLOCKS:
-        raise SnapshotError(
-            f"{name} lists {n:,} blocks in {len(segments):,} segments, more than memlab reads "
-            f"({MAX_BLOCKS:,}; a real program's snapshot holds far fewer): pass a file written "
-            "by torch.cuda.memory._dump_snapshot."
-        )
+    """A `SnapshotError` where ``segments`` are too many or list too many blocks
+    (`memlab.snapshot.limits.check_counts`), or hold an impossible device or size
+    (`~memlab.snapshot.limits.check_values`)."""
+    check_counts(segments, name)
+    check_values(segments, name)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ allocations with the line that made each, the live blocks and how fragmented the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memlab.core.choices import Source, TimelineSource
+from memlab.core.frames import users_traceback
 from memlab.reports.frame import heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport, Timeline
@@ -130,7 +132,8 @@ class Snapshot(Result):
 
         return chart_of_trace(self.trace, f"{self.path} · cuda:{self.device}")
 
-    def to_snapshot(self, path: str | Path) -> Path:
+    @users_traceback()
+    def to_snapshot(self, path: str | os.PathLike[str]) -> Path:
         """Write the trace back as a snapshot (memlab's reading of it, frames cut to one)."""
         from memlab.snapshot.write import write_trace
 

@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import gc
 import gzip
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 from memlab.snapshot.collect import READ, Collector, Frames
+from memlab.snapshot.limits import MAX_DEVICES, check_counts
 from memlab.snapshot.memo import replace_memo
 from memlab.snapshot.tap import Tap
-from memlab.snapshot.unpickle import SafeUnpickler, SnapshotError, check_path
+from memlab.snapshot.unpickle import SafeUnpickler, SnapshotError, check_path, read_to_the_end
 
 #: Events are taken out of the loader every this many bytes of pickle.
 EVERY = 2 * 2**20
+#: Bytes of pickle read between two walks of the loader's memo, per entry the last walk saw:
+#: a memo entry takes 2 bytes of pickle or more, so the walks cost less than the reading.
+LOOK_BYTES = 16
 _SEGMENT_ACTIONS = frozenset(("segment_alloc", "segment_map", "segment_free", "segment_unmap"))
 Progress = Callable[[int, int], object]
 OnSegments = Callable[[list[dict[str, Any]]], object]
@@ -67,6 +71,8 @@ class _Drain:
         self.tap: Tap | None = None
         self.every = EVERY
         self.next_forget = 0  # bytes read when the loader's memo is next made to forget
+        self.next_look = 0  # bytes read when the memo may next be looked through
+        self.walked = self.kept = 0  # memo entries walked in all; kept at the last forgetting
         self.first_trace = -1  # memo index of the first list of events
         self.frames = Frames()
         self.traces: dict[int, tuple[list[Any], Collector]] = {}  # id(list) -> list, collector
@@ -76,33 +82,55 @@ class _Drain:
         self.pinned: dict[int, Any] = {}  # lists of frames named by segment events: kept
         self.dropped = self.forgot = 0  # lists of frames forgotten; forgettings
         self.segments: list[dict[str, Any]] | None = None  # whole once a trace is found
+        self.segment_list: list[Any] | None = None  # the first list of segments, while read
+        self.segments_checked = 0  # its length when last counted
         self.on_segments: OnSegments | None = None
         self.progress: Callable[[], object] | None = None
 
     def __call__(self) -> None:
-        if not self._take():  # nothing new in the lists known: look for new ones
-            self._look(self._memo())
-            self._take()
         read = self.tap.read_bytes if self.tap is not None else 0
-        if self.prune_frames and read >= self.next_forget:
-            self._forget(self._memo())
+        if not self._take() and read >= self.next_look:  # nothing new: look for new lists
+            work = self._look(self._memo())
+            self._take()
+            # a look walks the loader's whole memo: the next waits until the file has given
+            # LOOK_BYTES bytes an item walked, so that the walking grows with the file alone
+            self.next_look = read + LOOK_BYTES * work
+        if self.prune_frames and self.first_trace >= 0 and read >= self.next_forget:
+            memo = self._memo()  # (nothing to forget before the first events are taken)
+            self._forget(memo)
             # each forgetting costs a pass over the loader's whole table (every index ever
-            # given): spaced by an eighth of what was read, within 8 and 64 drains
-            self.next_forget = read + min(max(read // 8, 8 * self.every), 64 * self.every)
+            # given): spaced by an eighth of what was read, within 8 and 64 drains, and by
+            # LOOK_BYTES an entry kept (a file whose memo forgets little)
+            spacing = min(max(read // 8, 8 * self.every), 64 * self.every)
+            self.next_forget = read + max(spacing, LOOK_BYTES * self.kept)
         if self.progress is not None and _call(self.progress) is False:
             raise _StopError
 
     def _memo(self) -> dict[int, Any]:
         # typeshed calls the memo dict[int, tuple[int, Any]]; the C loader's holds the objects
-        return cast(dict[int, Any], self.loader.memo.copy())
+        memo = cast(dict[int, Any], self.loader.memo.copy())
+        self.walked += len(memo)  # (what the reading cost in walks: tests bound it)
+        return memo
 
-    def _look(self, memo: dict[int, Any]) -> None:
-        """New lists of events; the segments, when the first is found."""
-        first = None
+    def _look(self, memo: dict[int, Any]) -> int:
+        """New lists of events; the segments, when the first is found. The first list of
+        segments is counted as it grows (`check_counts`), not after the file is read. Returns
+        the memo's entries walked."""
+        first, work = None, len(memo)
         for index, obj in memo.items():
-            if type(obj) is list and obj and id(obj) not in self.traces and _is_trace(obj):
+            if type(obj) is not list or not obj or type(obj[0]) is not dict:
+                continue
+            if "action" in obj[0] and id(obj) not in self.traces:
+                if len(self.traces) >= MAX_DEVICES:
+                    raise _too_many_traces(self.loader.name)
                 self.traces[id(obj)] = (obj, Collector(self.frames))
                 first = index if first is None else first
+            elif self.segment_list is None and _is_segment(obj[0]):
+                self.segment_list = obj  # (torch writes its segments first)
+        listed = self.segment_list
+        if listed is not None and len(listed) != self.segments_checked:  # (still growing)
+            self.segments_checked = len(listed)
+            check_counts(listed, self.loader.name)  # (one pass, of MAX_SEGMENTS at most)
         if first is not None and self.first_trace < 0:
             self.first_trace = first
         if first is not None and self.segments is None:
@@ -111,6 +139,7 @@ class _Drain:
             ]
             if self.on_segments is not None:
                 _call(self.on_segments, self.segments)
+        return work
 
     def _take(self) -> int:
         """Events out of the known lists into their collectors; how many."""
@@ -161,22 +190,27 @@ class _Drain:
                 self.dropped += 1
                 continue
             keep[index] = obj
+        self.kept = len(keep)
         if len(keep) < len(memo):
             replace_memo(self.loader, keep)
             self.forgot += 1
         self.drop.clear()
 
 
-def _is_trace(obj: list[Any]) -> bool:
-    return type(obj[0]) is dict and "action" in obj[0]
-
-
 def _is_segment(obj: dict[str, Any]) -> bool:
     return "total_size" in obj and "blocks" in obj
 
 
+def _too_many_traces(name: str) -> SnapshotError:
+    return SnapshotError(
+        f"{name} holds more than {MAX_DEVICES} lists of events, and a memory snapshot has one a "
+        f"device (torch numbers {MAX_DEVICES} at most): pass a file written by "
+        "torch.cuda.memory._dump_snapshot."
+    )
+
+
 def stream(
-    path: str | Path,
+    path: str | os.PathLike[str],
     every: int | None = None,
     on_segments: OnSegments | None = None,
     progress: Progress | None = None,
@@ -200,14 +234,18 @@ def stream(
         if progress is not None:
             drain.progress = lambda: progress(raw.tell(), size)  # compressed bytes if gzipped
         tap.hook = drain
-        collecting = gc.isenabled()
+        collecting, failed = gc.isenabled(), None
         gc.disable()
         try:
             data = loader.load()
+            tap.hook = None
+            read_to_the_end(tap.raw, p)  # (a gzip's check comes after the pickle's end)
             if drain.segments is None and on_segments is not None and isinstance(data, dict):
                 # no trace, or too small a file for a drain
                 _call(on_segments, data.get("segments") or [])
             traces = data.get("device_traces") if isinstance(data, dict) else None
+            if type(traces) is list and len(traces) > MAX_DEVICES:
+                raise _too_many_traces(str(p))
             for t in traces if type(traces) is list else ():
                 if type(t) is list and id(t) not in drain.traces:  # too short to be seen yet
                     drain.traces[id(t)] = (t, Collector(drain.frames))
@@ -216,7 +254,7 @@ def stream(
             data = {"segments": drain.segments or [], "cancelled_at": tap.read_bytes}
             data["device_traces"] = [t for t, _ in drain.traces.values()]
         except _CallbackError as e:
-            raise e.error from None
+            failed = e.error  # raised below, outside this handler: with no context of memlab's
         except SnapshotError:
             raise
         except Exception as e:
@@ -233,6 +271,8 @@ def stream(
             tap.hook = None
             if collecting:
                 gc.enable()
+    if failed is not None:
+        raise failed
     if not isinstance(data, dict) or "segments" not in data:
         raise SnapshotError(
             f"{p} holds a {type(data).__name__} without 'segments', not a memory snapshot: pass "

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import gc
 import gzip
+import os
 import pickle
+import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -69,7 +71,7 @@ def available_memory() -> int | None:
     return None
 
 
-def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
+def read(path: str | os.PathLike[str], check_memory: bool = True) -> dict[str, Any]:
     """The snapshot dict in ``path`` (a pickle, gzipped or not), built by `SafeUnpickler`.
 
     A file too big for the memory left is refused before reading (the kernel would be killed
@@ -87,6 +89,7 @@ def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
         gc.disable()
         try:
             data = SafeUnpickler(f, str(p)).load()
+            read_to_the_end(f, p)
         except SnapshotError:
             raise
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, OSError) as e:
@@ -105,25 +108,59 @@ def read(path: str | Path, check_memory: bool = True) -> dict[str, Any]:
     return data
 
 
-def check_path(path: str | Path) -> Path:
-    """``path`` as a Path to a file that exists, or an error that says what to pass."""
-    if not isinstance(path, (str, Path)):
+def check_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` (a str or os.PathLike) as a Path to a regular file that exists, or an error that
+    says what to pass."""
+    name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(name, str):
         raise TypeError(
             f"path={path!r} is a {type(path).__name__}: pass the path of a file written by "
             "torch.cuda.memory._dump_snapshot, as a str or pathlib.Path."
         )
-    p = Path(path)
+    p = Path(name)
     if p.is_dir():
         raise IsADirectoryError(
-            f"path={str(path)!r} is a directory: pass the path of the snapshot file in it, "
+            f"path={name!r} is a directory: pass the path of the snapshot file in it, "
             "written by torch.cuda.memory._dump_snapshot(path)."
         )
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(
-            f"path={str(path)!r}: no such file. Pass the path of a file written by "
+            f"path={name!r}: no such file. Pass the path of a file written by "
             "torch.cuda.memory._dump_snapshot(path) on the GPU machine."
         )
+    if not p.is_file():  # (a device, a pipe, a socket: reading one may never end)
+        raise SnapshotError(
+            f"path={name!r} is not a regular file but {_kind(p)}: pass the path of a file "
+            "written by torch.cuda.memory._dump_snapshot(path)."
+        )
     return p
+
+
+def _kind(p: Path) -> str:
+    if p.is_char_device():
+        return "a character device"
+    if p.is_block_device():
+        return "a block device"
+    if p.is_fifo():
+        return "a named pipe"
+    return "a socket" if p.is_socket() else "another kind of file"
+
+
+def read_to_the_end(f: Any, p: Path) -> None:
+    """Reads what is left of ``f`` when the pickle has ended, if it is a gzip stream: only at
+    its end does gzip check the data's CRC and length, so a file cut short, or damaged, is
+    refused (pickle stops at its own end, before the gzip trailer)."""
+    if not isinstance(f, gzip.GzipFile):
+        return
+    try:
+        while f.read(2**20):
+            pass
+    except (EOFError, OSError, zlib.error) as e:
+        raise SnapshotError(
+            f"{p} is a gzip file cut short or damaged ({type(e).__name__}: {e}): its pickle "
+            "ends, but the gzip check of what was read (CRC and length) fails. Pass the whole "
+            "file written by torch.cuda.memory._dump_snapshot (copy it again)."
+        ) from e
 
 
 def _check_memory(p: Path, pickled: int) -> None:

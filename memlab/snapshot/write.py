@@ -16,11 +16,12 @@ carries its ``phase``.
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -111,20 +112,49 @@ def snapshot_dict(events: list[dict[str, Any]], live: list[tuple[int, int]]) -> 
     return {"segments": segments, "device_traces": [events], "written_by": "memlab"}
 
 
-def dump(data: dict[str, Any], path: str | Path) -> Path:
-    if not isinstance(path, (str, Path)):
-        raise TypeError(
-            f"path={path!r} is a {type(path).__name__}: pass a file name (str or pathlib.Path) "
-            "such as 'step.pickle'."
-        )
-    p = Path(path)
-    with p.open("wb") as f:
+def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    p = writable(path, "step.pickle")
+    with opened(p) as f:
         pickle.dump(data, f, protocol=PROTOCOL)
     return p
 
 
+def writable(path: Any, example: str) -> Path:
+    """``path`` (a str or os.PathLike) as a Path a file can be written at, or an error that names
+    it and says what to pass (a directory, a folder that does not exist, not a path at all)."""
+    name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(name, str):
+        raise TypeError(
+            f"path={path!r} is a {type(path).__name__}: pass a file name (str or pathlib.Path) "
+            f"such as {example!r}."
+        )
+    p = Path(name)
+    if p.is_dir():
+        raise IsADirectoryError(
+            f"path={name!r} is a directory: pass a file name in it, such as {str(p / example)!r}."
+        )
+    if not p.parent.is_dir():
+        raise FileNotFoundError(
+            f"path={name!r}: the folder {str(p.parent)!r} does not exist. Create it first "
+            f"(os.makedirs), or pass a file name in a folder that exists, such as {example!r}."
+        )
+    return p
+
+
+def opened(p: Path, binary: bool = True) -> IO[Any]:
+    """``p`` open for writing, or the system's refusal said about the path (no permission, a
+    read-only disk), as the same kind of OSError."""
+    try:
+        return p.open("wb") if binary else p.open("w", encoding="utf-8")
+    except OSError as e:
+        raise type(e)(
+            f"path={str(p)!r}: the file cannot be written ({e.strerror or e}): pass a file "
+            "name in a folder you can write to."
+        ) from None
+
+
 def write_timeline(
-    path: str | Path,
+    path: str | os.PathLike[str],
     before: int,
     seconds: Sequence[float],
     totals: Sequence[int],
@@ -134,7 +164,7 @@ def write_timeline(
     return dump(snapshot_dict(*timeline_events(before, seconds, totals, phases)), path)
 
 
-def write_trace(t: Trace, path: str | Path) -> Path:
+def write_trace(t: Trace, path: str | os.PathLike[str]) -> Path:
     """A `Trace` (a snapshot as memlab read it) back as a snapshot file: the same events in the
     same order, each with its source line as its one frame."""
     addr = BASE + np.cumsum(np.maximum(-(-t.a_size // ALIGN) * ALIGN, ALIGN)) - t.a_size

@@ -1,0 +1,88 @@
+"""What a memory snapshot can hold, checked before memlab reads it further: counts that a few
+bytes of pickle can inflate (one block listed a million times through the pickle's memo), and
+values no allocator writes (a negative size, a device index past what torch can number).
+
+`check_counts` costs one pass over the segments, not over their blocks, so the reader of a file
+(`memlab.snapshot.stream`) runs it on a list of segments while the file is still being read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from memlab.snapshot.unpickle import SnapshotError
+
+#: Blocks read at most, all segments together. A real program's snapshot holds far fewer; a
+#: pickle can list one block again and again in a few bytes (its memo), and millions of them
+#: would take minutes and gigabytes to read.
+MAX_BLOCKS = 1_000_000
+#: Segments read at most: each is at least 2 MiB of a GPU (80 GiB: 40,960 of them).
+MAX_SEGMENTS = 100_000
+#: Devices a snapshot can name: torch numbers a device with an 8-bit index (0 to 127).
+MAX_DEVICES = 128
+_PASS = "pass a file written by torch.cuda.memory._dump_snapshot."
+
+
+def check_counts(segments: Any, name: str) -> None:
+    """A `SnapshotError` where ``segments`` are more than `MAX_SEGMENTS` or list more than
+    `MAX_BLOCKS` blocks (counted without reading them)."""
+    if not isinstance(segments, (list, tuple)):
+        return  # (the layout's own check says what is wrong)
+    if len(segments) > MAX_SEGMENTS:
+        raise SnapshotError(
+            f"{name} lists {len(segments):,} segments, more than memlab reads ({MAX_SEGMENTS:,}; "
+            f"a GPU of 80 GiB holds at most 40,960): {_PASS}"
+        )
+    n = 0
+    for s in segments:
+        blocks = s.get("blocks") if isinstance(s, Mapping) else None
+        if isinstance(blocks, (list, tuple)):
+            n += len(blocks)
+    if n > MAX_BLOCKS:
+        raise SnapshotError(
+            f"{name} lists {n:,} blocks in {len(segments):,} segments, more than memlab reads "
+            f"({MAX_BLOCKS:,}; a real program's snapshot holds far fewer): {_PASS}"
+        )
+
+
+def check_values(segments: Any, name: str) -> None:
+    """A `SnapshotError` where a segment names an impossible device or a segment or block an
+    impossible size (negative); values of the wrong type are left to the layout's own check."""
+    if not isinstance(segments, (list, tuple)):
+        return
+    for s in segments:
+        if not isinstance(s, Mapping):
+            continue
+        device = s.get("device", 0)
+        if _whole(device) and not 0 <= device < MAX_DEVICES:
+            raise SnapshotError(
+                f"{name}: a segment is on device {device!r}, which no GPU is (torch numbers "
+                f"devices 0 to {MAX_DEVICES - 1}): {_PASS}"
+            )
+        _check_size(s, "total_size", "a segment", name)
+        blocks = s.get("blocks")
+        for b in blocks if isinstance(blocks, (list, tuple)) else ():
+            if isinstance(b, Mapping):
+                _check_size(b, "size", "a block", name)
+                _check_size(b, "requested_size", "a block", name)
+
+
+def check_event_size(size: int) -> None:
+    """A `SnapshotError` for an event of a negative size (the reader has no file name)."""
+    if size < 0:
+        raise SnapshotError(
+            f"the snapshot is not laid out as a memory snapshot (an event's size is {size:,} "
+            f"bytes; sizes are never negative): {_PASS}"
+        )
+
+
+def _check_size(d: Mapping[str, Any], key: str, what: str, name: str) -> None:
+    size = d.get(key, 0)
+    if _whole(size) and size < 0:
+        raise SnapshotError(
+            f"{name}: {what}'s {key} is {size:,} bytes; sizes are never negative: {_PASS}"
+        )
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # (nan: not)
