@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,25 @@ def ip(_shell: tuple[Any, Recorded]) -> Iterator[Any]:
     yield shell
     shell._memlab_magics.auto_off()
     assert hooks_installed() == NOTHING_INSTALLED
+
+
+def bounded(fn: Any, seconds: float = 60) -> Any:
+    """``fn()`` in a thread; a hang fails the test instead of the run."""
+    out: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test
+            out["error"] = e
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 def run(ip: Any, source: str) -> Any:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import bounded
 
 from memlab.distributed import RankError, RankTable, launch
 from memlab.distributed.value import UnsendableError, decode, encode
@@ -50,25 +50,6 @@ def _returns_tables(rank: int, world_size: int) -> Any:
 
 def _takes_one_argument(rank: int) -> int:
     return rank
-
-
-def _bounded(fn: Any, seconds: float = 30) -> Any:
-    """``fn()`` in a thread; a hang fails the test instead of the run."""
-    out: dict[str, Any] = {}
-
-    def go() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the test
-            out["error"] = e
-
-    thread = threading.Thread(target=go, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _pids(folder: Path, world_size: int, seconds: float = 20) -> list[int]:
@@ -144,7 +125,7 @@ def test_a_time_limit_stops_the_ranks_and_names_the_one_still_running(tmp_path: 
     pids: list[int] = []
     try:
         with pytest.raises(TimeoutError) as caught:
-            _bounded(
+            bounded(
                 lambda: launch(
                     _hangs_on_rank_one, 2, args=(str(tmp_path),), start_method="fork", timeout=3
                 )
@@ -190,7 +171,7 @@ def test_rank_zeros_value_comes_home_as_it_was_returned() -> None:
         "others": [None, True, False, "é\u2028", [], {}],
         "nested": {"a": {"b": [[1], {"c": "d"}]}},
     }
-    got = _bounded(lambda: launch(_returns, 2, args=(value,), start_method="fork"))
+    got = bounded(lambda: launch(_returns, 2, args=(value,), start_method="fork"))
     assert got == value
     assert [type(x) for x in got["ints"] + got["floats"]] == [int] * 3 + [float] * 3
     assert math.copysign(1, got["floats"][1]) == -1  # -0.0 stays negative
@@ -200,7 +181,7 @@ def test_rank_zeros_value_comes_home_as_it_was_returned() -> None:
 
     with memlab.track("cpu"):  # its first use loads what it needs once: the forks inherit it
         pass
-    tables = _bounded(lambda: launch(_returns_tables, 2, start_method="fork"))
+    tables = bounded(lambda: launch(_returns_tables, 2, start_method="fork"))
     assert tables["plain"] == [1, 2.5, None, True, "s"]
     for table in (tables["by_strategy"]["ddp"], tables["runs"][0]):
         assert isinstance(table, RankTable) and table.world_size == 2
@@ -229,9 +210,9 @@ def test_a_value_json_would_change_is_refused_naming_where(value: Any, message: 
 
 def test_an_unsendable_value_says_so_not_that_fn_raised() -> None:
     with pytest.raises(TypeError, match=r"the value itself has the key 0 \(int\)"):
-        _bounded(lambda: launch(_returns, 2, args=({0: (1, 2)},), start_method="fork"))
+        bounded(lambda: launch(_returns, 2, args=({0: (1, 2)},), start_method="fork"))
     with pytest.raises(TypeError) as caught:
-        _bounded(lambda: launch(_returns, 2, args=(torch.ones(2),), start_method="fork"))
+        bounded(lambda: launch(_returns, 2, args=(torch.ones(2),), start_method="fork"))
     e = caught.value
     message = str(e)
     assert not isinstance(e, RankError) and "raised" not in message
@@ -246,7 +227,7 @@ def test_an_unsendable_value_says_so_not_that_fn_raised() -> None:
 
 def test_a_failed_call_of_fn_shows_no_memlab_frames_as_the_ranks_own() -> None:
     with pytest.raises(RankError) as caught:
-        _bounded(lambda: launch(_takes_one_argument, 2, start_method="fork"))
+        bounded(lambda: launch(_takes_one_argument, 2, start_method="fork"))
     message = str(caught.value)
     assert "raised TypeError: _takes_one_argument() takes 1 positional argument" in message
     assert "no line of fn's ran: the call fn(rank, world_size, *args) itself failed" in message

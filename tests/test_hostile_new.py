@@ -12,13 +12,12 @@ import json
 import os
 import pickle
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import run
+from conftest import bounded, run
 from IPython.core.error import UsageError
 from torch import nn
 
@@ -349,25 +348,6 @@ def _gathers_to_true(rank: int, world_size: int) -> Any:
     return gather(t, dst=True)  # type: ignore[arg-type]
 
 
-def _bounded(fn: Any, seconds: float = 60) -> Any:
-    """``fn()`` in a thread; a hang fails the test instead of the run."""
-    out: dict[str, Any] = {}
-
-    def go() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still running after {seconds} s"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -395,7 +375,7 @@ def test_launch_names_a_bad_argument(
 
 def test_the_failing_ranks_own_error_reaches_the_caller_with_its_rank() -> None:
     with pytest.raises(RankError) as caught:
-        _bounded(lambda: launch(_fails_on_rank_one, 2, start_method="fork"))
+        bounded(lambda: launch(_fails_on_rank_one, 2, start_method="fork"))
     e = caught.value
     assert (e.rank, e.kind) == (1, "KeyError")
     assert 'rank 1 of 2 raised KeyError: "rank one\'s own error"' in str(e)
@@ -404,7 +384,7 @@ def test_the_failing_ranks_own_error_reaches_the_caller_with_its_rank() -> None:
 
 def test_a_rank_that_exits_is_named_not_the_rank_it_left_waiting() -> None:
     with pytest.raises(RankError, match=r"rank 1 of 2 raised SystemExit: rank one leaves"):
-        _bounded(lambda: launch(_exits_on_rank_one, 2, start_method="fork"))
+        bounded(lambda: launch(_exits_on_rank_one, 2, start_method="fork"))
 
 
 def test_a_rank_lost_in_its_teardown_after_the_job_keeps_the_jobs_answer() -> None:
@@ -413,7 +393,7 @@ def test_a_rank_lost_in_its_teardown_after_the_job_keeps_the_jobs_answer() -> No
     with a warning that says what happened. Spawn: the rank exits through Python's finalization
     (atexit), as a real one does."""
     with pytest.warns(RuntimeWarning, match=r"every rank's fn returned, then .*SIGABRT"):
-        value = _bounded(lambda: launch(_aborts_at_exit_on_rank_one, 2, start_method="spawn"))
+        value = bounded(lambda: launch(_aborts_at_exit_on_rank_one, 2, start_method="spawn"))
     assert value == {"rank": 0, "world_size": 2}
 
 
@@ -421,7 +401,7 @@ def test_a_rank_lost_before_the_job_finished_is_still_an_error() -> None:
     from torch.multiprocessing import ProcessExitedException
 
     with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
-        _bounded(lambda: launch(_aborts_on_rank_one, 2, start_method="fork"))
+        bounded(lambda: launch(_aborts_on_rank_one, 2, start_method="fork"))
 
 
 def test_gather_and_check_name_what_they_got() -> None:
@@ -432,7 +412,7 @@ def test_gather_and_check_name_what_they_got() -> None:
     with pytest.raises(TypeError, match=r"measured must be a RankTable \(gather\), got str"):
         check("table", None)  # type: ignore[arg-type]
     with pytest.raises(RankError, match=r"ValueError: dst must be a rank from 0 to 1, got True"):
-        _bounded(lambda: launch(_gathers_to_true, 2, start_method="fork"))
+        bounded(lambda: launch(_gathers_to_true, 2, start_method="fork"))
 
 
 # -- RunConfig's newer fields -----------------------------------------------------------------
