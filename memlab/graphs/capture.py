@@ -29,10 +29,12 @@ from memlab.graphs.args import (
     sizes,
     tensors_of,
 )
+from memlab.graphs.charge import CHECKPOINT_INPUT, Ledger
 from memlab.graphs.collapse import drawing_notes
 from memlab.graphs.inputs import add_note, mapping_hint, packed_inputs
-from memlab.graphs.model import KINDS, Graph, Node, Saved
-from memlab.graphs.saved import op_name, saved_tensors, storages, unreadable, wrapped_number
+from memlab.graphs.model import Graph, Node
+from memlab.graphs.saved import op_name, storages, unreadable
+from memlab.reports.units import fmt_bytes
 
 __all__ = ["GraphArgumentError", "NoGraphError", "graph", "graph_of"]
 
@@ -171,10 +173,8 @@ def _build(
     # Order by creation, so that a storage is charged to the earliest node that saved it.
     seqs = [_torch.sequence_nr(n) for n in nodes]
     order = sorted(range(len(nodes)), key=seqs.__getitem__)
-    charged: set[int] = set()
-    fixed_saved: dict[int, int] = {}
-    unread, opaque = 0, []
-    keep: list[Any] = []
+    ledger = Ledger(fixed, given)
+    opaque: list[str] = []
     built: dict[int, Node] = {}
     for i in order:
         n = nodes[i]
@@ -188,49 +188,43 @@ def _build(
                 leaf_name = f"{kind} {'×'.join(map(str, sizes(leaf))) or 'scalar'}"
             else:
                 module = leaf_name.rpartition(".")[0]
-        saved, total = [], 0
         if unreadable(n):
             opaque.append(op_name(n))
-        for attr, t in saved_tensors(n):
-            if wrapped_number(t):  # host memory outside any op: memlab.track leaves it out too
-                saved.append(Saved(attr, (), _dtype(t), t.untyped_storage().nbytes(), "number"))
-                continue
-            parts = storages(t)
-            if parts is None:
-                unread += 1
-                saved.append(Saved(attr, sizes(t), _dtype(t), 0, "unread"))
-                continue
-            keep.extend(parts)
-            kinds_seen = []
-            for st in parts:
-                key = id(st)
-                if key in fixed:
-                    kinds_seen.append("parameter")
-                    fixed_saved[key] = st.nbytes()
-                elif key in given:
-                    kinds_seen.append("input")
-                elif key in charged:
-                    kinds_seen.append("shared")
-                else:
-                    charged.add(key)
-                    kinds_seen.append("activation")
-                    total += st.nbytes()
-            kind = next((k for k in KINDS if k in kinds_seen), "shared")
-            nbytes = sum(st.nbytes() for st in parts)
-            saved.append(Saved(attr, sizes(t), _dtype(t), nbytes, kind))
+        total, saved = ledger.node(n)
         inputs = tuple(index[id(f)] for f, _ in n.next_functions if f is not None)
         built[i] = Node(i, op_name(n), module, total, tuple(saved), inputs, leaf_name)
-    notes += _unread_notes(unread, opaque)
+    notes += _unread_notes(ledger, opaque)
     root_ids = tuple(dict.fromkeys(index[id(r)] for r in roots))
     nodes_out = tuple(built[i] for i in range(len(nodes)))
-    g = Graph(nodes_out, root_ids, sum(fixed_saved.values()), notes, kinds, unread + len(opaque))
+    uncounted = ledger.unread + ledger.hooked + len(opaque)
+    g = Graph(nodes_out, root_ids, sum(ledger.fixed_saved.values()), notes, kinds, uncounted)
     return dataclasses.replace(g, notes=notes + drawing_notes(g))
 
 
-def _unread_notes(unread: int, opaque: list[str]) -> tuple[str, ...]:
-    """What the total leaves out: saved tensors without storage, and nodes that keep what they
-    saved out of Python's reach (the total is then a lower bound)."""
+def _unread_notes(ledger: Ledger, opaque: list[str]) -> tuple[str, ...]:
+    """What the total leaves out: saved tensors without storage or packed by a hook memlab
+    cannot read, and nodes that keep what they saved out of Python's reach (the total is then
+    a lower bound); and how activation checkpoints were counted."""
     out: tuple[str, ...] = ()
+    if ledger.frames:
+        out += (
+            f"{len(ledger.frames)} activation checkpoint(s): what their forward saved is "
+            "recomputed in backward (rows marked recomputed, not counted); the inputs they keep "
+            f"to recompute it are counted, as {CHECKPOINT_INPUT!r} on the first node of each",
+        )
+    if ledger.keyword_bytes():
+        out += (
+            f"{fmt_bytes(ledger.keyword_bytes())} more stay alive until backward as the "
+            "checkpoints' keyword arguments (held by reference for the recomputation, never "
+            "saved by autograd): not counted, as memlab.track counts them as other",
+        )
+    if ledger.hooked:
+        out += (
+            f"{ledger.hooked} saved tensor(s) a saved-tensors hook packed as something memlab "
+            "cannot read (an offloading hook such as save_on_cpu, a program's own hook): not "
+            "counted, so the total is a lower bound",
+        )
+    unread = ledger.unread
     if unread:
         out += (
             f"{unread} saved tensor(s) not counted: their bytes cannot be read (a tensor "
@@ -250,7 +244,3 @@ def _unread_notes(unread: int, opaque: list[str]) -> tuple[str, ...]:
             "module before torch.jit.script shows each op and what it saved",
         )
     return out
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")

@@ -19,8 +19,10 @@ from memlab.reports.units import fmt_bytes
 #: that exists anyway (parameter or buffer, an input of the forward), memory whose bytes
 #: cannot be read (unread: a tensor without storage, as an MKL-DNN one; not counted), and a
 #: Python number an op wrapped as a tensor (number: ``x * 0.5``'s 0.5, a few bytes on the host
-#: made outside any op; not counted, as `memlab.track` does not count it).
-KINDS = ("activation", "shared", "parameter", "input", "unread", "number")
+#: made outside any op; not counted, as `memlab.track` does not count it), and a tensor an
+#: activation checkpoint packed as a placeholder (recomputed: backward recomputes it from the
+#: checkpoint's inputs, which are counted instead). A hook's packed value has no shape or dtype.
+KINDS = ("activation", "shared", "parameter", "input", "unread", "number", "recomputed")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class Saved:
     def describe(self) -> str:
         shape = "×".join(map(str, self.shape)) or "scalar"
         name = self.attr.removeprefix(SAVED_PREFIX)
+        if not self.dtype and self.kind == "recomputed":  # a checkpoint's placeholder
+            return f"{name}: recomputed in backward by its activation checkpoint"
+        if not self.dtype:  # another hook's packed value: no shape, no bytes to read
+            return f"{name}: packed by a saved-tensors hook, not readable ({self.kind})"
         return f"{name}: {shape} {self.dtype}, {fmt_bytes(self.nbytes)} ({self.kind})"
 
 

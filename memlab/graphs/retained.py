@@ -19,7 +19,7 @@ import torch
 
 from memlab.core.autograd import iter_nodes
 from memlab.core.frames import users_traceback
-from memlab.graphs.saved import GraphFreedError, saved_tensors, storages
+from memlab.graphs.saved import GraphFreedError, kept_for_backward, storages
 from memlab.graphs.scan import Skipped, tensors_in
 from memlab.reports.frame import (
     CELL,
@@ -224,6 +224,7 @@ def find_retained(
             kept.update((id(st), st.nbytes()) for st in parts)
             holding[name] = (count + 1, kept, viewed + t.numel() * t.element_size())
     charged: set[int] = set()
+    frames: dict[int, Any] = {}  # activation checkpoints whose inputs were counted
     items, freed = [], []
     for name, graphs in found.items():
         nodes = list(iter_nodes(g for _, g in graphs))
@@ -237,7 +238,7 @@ def find_retained(
         total, released = 0, False
         for node in nodes:
             try:
-                saved = [storages(t) for _, t in saved_tensors(node)]
+                saved = [t if t is None else storages(t) for t in kept_for_backward(node, frames)]
             except GraphFreedError:
                 released = True  # backward already released this node's saved tensors
                 continue

@@ -10,8 +10,15 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from memlab.core._torch import SAVED_PREFIX
-from memlab.core._torch_autograd import raw_saved_readable, saved_names, saved_value
+from memlab.core._torch_autograd import (
+    HOOKED,
+    raw_saved_readable,
+    saved_hook,
+    saved_names,
+    saved_value,
+)
 from memlab.core.storages import sparse_parts
+from memlab.graphs.packed import Packed, frame_inputs, packed
 
 #: A Python ``autograd.Function``'s node keeps what ``ctx.save_for_backward`` saved as the
 #: built-in nodes keep theirs (a raw form beside the saved name), so `saved_value` reads it.
@@ -25,6 +32,15 @@ class GraphFreedError(RuntimeError):
 def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(attribute, tensor) for each tensor ``node`` saved. Raises GraphFreedError when backward
     already released them (run the analysis before backward, or backward with retain_graph)."""
+    for name, value in saved_values(node):
+        if isinstance(value, torch.Tensor):
+            yield name, value
+
+
+def saved_values(node: Any) -> Iterator[tuple[str, torch.Tensor | Packed]]:
+    """`saved_tensors`, and a `Packed` for each tensor a program's saved-tensors hook packed as
+    something else (activation checkpointing's placeholder, an offloading hook's record): what
+    backward keeps for it is not the tensor, and must be counted, or said to be left out."""
     names = saved_names(node)
     if isinstance(node, BackwardCFunction) and raw_saved_readable():
         names += (_FUNCTION,)
@@ -39,8 +55,28 @@ def saved_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 "saved; look at the graph before calling backward()."
             ) from e
         for t in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(t, torch.Tensor):  # (what a program's hook packed is not read)
+            if isinstance(t, torch.Tensor):
                 yield name, t
+            elif t is HOOKED:
+                yield name, packed(saved_hook(node, name))
+
+
+def kept_for_backward(node: Any, frames: dict[int, Any]) -> Iterator[torch.Tensor | None]:
+    """The tensors backward keeps for ``node``: what it saved, and in place of what an
+    activation checkpoint packed, that checkpoint's inputs (and of the checkpoints around it),
+    each checkpoint once across the calls that share ``frames`` (id -> frame, kept alive there).
+    None for a value another hook packed, which memlab cannot read."""
+    for _, value in saved_values(node):
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif item.frame is None:
+                yield None
+            elif id(item.frame) not in frames:
+                frames[id(item.frame)] = item.frame
+                stack.extend(frame_inputs(item.frame))
 
 
 def storages(t: torch.Tensor) -> tuple[Any, ...] | None:
