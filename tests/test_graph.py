@@ -167,6 +167,10 @@ def test_module_level_view_collapses_modules_into_boxes() -> None:
     assert dot.count("nodes ·") == 3  # one box per block (each holds several nodes)
     assert "AddmmBackward0" not in dot
     assert "<svg" in view._repr_mimebundle_()["text/html"]
+    # printed, a view is the graph's summary, not the fields of every node
+    said = repr(view)
+    assert said.startswith("view of modules 1 level(s) deep; memlab graph:") and "Node(" not in said
+    assert len(said) < 2000
 
 
 @needs_dot

@@ -226,6 +226,10 @@ class GraphView:
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return _bundle(self.graph, self.depth, self.limit)
 
+    def __repr__(self) -> str:  # (printed: the graph's summary, not every node's fields)
+        shown = "every node" if self.depth is None else f"modules {self.depth} level(s) deep"
+        return f"view of {shown}; {self.graph.text()}"
+
     def svg(self) -> str:
         return self.graph.svg(self.depth, self.limit)
 
