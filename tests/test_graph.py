@@ -257,3 +257,26 @@ def test_a_real_model_s_graph_is_shown_module_by_module_by_default() -> None:
         assert "one box per module" not in every
     small = memlab.graph(torch.nn.Linear(4, 4), torch.randn(2, 4))
     assert small.auto_depth() is None  # small graphs show every node
+
+
+class ReadsAValue(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.all():  # a value: none on meta
+            return self.lin(x)
+        return self.lin(x * mask)
+
+
+def test_a_forward_that_reads_a_value_on_meta_gets_a_hint_and_keeps_its_error() -> None:
+    with torch.device("meta"):
+        model = ReadsAValue()
+    x, mask = torch.randn(2, 4, device="meta"), torch.ones(2, 4, device="meta")
+    with pytest.raises(RuntimeError, match="meta") as raised:
+        memlab.graph(model, x, mask)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("meta tensors, which have shapes but no values" in n for n in notes), notes
+    # on the CPU the same forward draws, and no hint is added to an error off meta
+    assert memlab.graph(ReadsAValue(), torch.randn(2, 4), torch.ones(2, 4)).nodes

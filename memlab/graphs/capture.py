@@ -31,7 +31,7 @@ from memlab.graphs.args import (
 )
 from memlab.graphs.charge import CHECKPOINT_INPUT, Ledger
 from memlab.graphs.collapse import drawing_notes
-from memlab.graphs.inputs import add_note, mapping_hint, packed_inputs
+from memlab.graphs.inputs import add_note, mapping_hint, meta_hint, packed_inputs
 from memlab.graphs.model import Graph, Node
 from memlab.graphs.saved import op_name, storages, unreadable
 from memlab.reports.units import fmt_bytes
@@ -66,7 +66,8 @@ def graph(model: torch.nn.Module, *inputs: Any, **kwargs: Any) -> Graph:
         except Exception as e:
             why = packed_inputs(inputs, e) if isinstance(e, TypeError) else None
             if why is None:  # the model's, on its input: shown without memlab's frames
-                hint = mapping_hint(inputs)  # (its type and traceback kept: a note below)
+                hint = mapping_hint(inputs) or meta_hint(model, (inputs, kwargs), e)
+                # (its type and traceback kept: a note below)
                 if hint is not None:
                     add_note(e, hint)
                 the_users(e)

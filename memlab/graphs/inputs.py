@@ -80,3 +80,23 @@ def add_note(e: BaseException, text: str) -> None:
             e.add_note(text)
         else:
             e.__notes__ = [*getattr(e, "__notes__", ()), text]
+
+
+def meta_hint(model: Any, inputs: Any, error: BaseException) -> str | None:
+    """What to add to an error a forward on ``meta`` tensors raised where it needed a value
+    (``.item()``, a branch on a tensor: a Hugging Face mask builder does so): meta tensors have
+    shapes and no values. None where the forward ran on no meta tensor, or failed otherwise."""
+    if "meta" not in str(error):
+        return None
+    on_meta = any(t.is_meta for t in tensors_of(inputs)) or any(
+        p.is_meta for p in model.parameters()
+    )
+    if not on_meta:
+        return None
+    return (
+        "memlab: memlab.graph ran the forward on meta tensors, which have shapes but no values, "
+        "and the forward (or a library it calls) read a value: a Hugging Face model reads its "
+        "attention_mask's (an all-ones mask can be left out). Or draw the graph from a small "
+        "input on the CPU (a batch of 1, a short sequence): its nodes are the same, and the "
+        "bytes each saves grow with the input's size."
+    )
