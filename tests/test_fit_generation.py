@@ -52,7 +52,7 @@ def test_the_largest_batch_at_a_context_fits_and_one_more_does_not() -> None:
     assert fit.searched == "batch" and fit.batch >= 2
     assert fits(fit.batch, 1024) and not fits(fit.batch + 1, 1024)
     assert fit.cache_per_token == PER_TOKEN
-    assert fit.cache_bytes == PER_TOKEN * 1024 * fit.batch
+    assert fit.cache_bytes == PER_TOKEN * (1024 - 1) * fit.batch  # the last token not fed back
     assert fit.estimates <= 8  # a line and the edge, not a walk
     assert fit.peak is not None and fit.next_peak is not None
     assert fit.peak <= fit.usable < fit.next_peak
@@ -61,7 +61,7 @@ def test_the_largest_batch_at_a_context_fits_and_one_more_does_not() -> None:
 def test_a_16_bit_cache_is_modelled_and_leaves_room_for_more_sequences() -> None:
     half = fit_generation(llama, gpu=GPU, context=1024, new_tokens=NEW, cache_dtype="bf16")
     assert half.cache_per_token == PER_TOKEN // 2
-    assert half.cache_bytes == PER_TOKEN // 2 * 1024 * half.batch
+    assert half.cache_bytes == PER_TOKEN // 2 * (1024 - 1) * half.batch
     assert not fits(half.batch, 1024)  # with the model's float32 cache it would not fit
     assert half.peak is not None and half.peak <= half.usable
     assert "modelled" in str(half)
@@ -74,7 +74,7 @@ def test_the_longest_context_at_a_batch_fits_and_one_more_token_does_not() -> No
     fit = fit_generation(lambda: llama(layers), gpu=gpu, batch=8, new_tokens=NEW)
     assert fit.searched == "context" and fit.context > 64
     assert fits(8, fit.context, layers, gpu) and not fits(8, fit.context + 1, layers, gpu)
-    assert fit.cache_bytes == PER_TOKEN // LAYERS * layers * fit.context * 8
+    assert fit.cache_bytes == PER_TOKEN // LAYERS * layers * (fit.context - 1) * 8
 
 
 def test_fit_generation_says_what_to_pass() -> None:

@@ -52,12 +52,12 @@ def test_the_kv_cache_holds_the_formula_s_bytes(build: Any) -> None:
     report = result.report
     assert report is not None and report.breakdown is not None
     config = build().config
-    # the prompt's tokens and one per new token (the last one's keys are written as it is read)
-    want = kv_cache_bytes(config, PROMPT + NEW, BATCH, torch.float32)
+    # the prompt's tokens and one per new token fed back: all but the last, as generate() does
+    want = kv_cache_bytes(config, PROMPT + NEW - 1, BATCH, torch.float32)
     assert report.breakdown.at_end[Category.KV_CACHE] == want
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layers, head_dim = config.num_hidden_layers, config.hidden_size // config.num_attention_heads
-    assert want == 2 * layers * heads * head_dim * (PROMPT + NEW) * BATCH * 4
+    assert want == 2 * layers * heads * head_dim * (PROMPT + NEW - 1) * BATCH * 4
     assert "generate 8 tokens" in result.title
     per_token = kv_cache_bytes(config, 1, 1, torch.float32)
     note = next(n for n in report.notes if n.startswith("KV cache:"))
@@ -112,7 +112,7 @@ class TinyDecoder(nn.Module):
 def test_a_plain_module_that_takes_and_returns_its_cache() -> None:
     report = run(TinyDecoder, prompt, None, GENERATE.with_(device="cpu")).report
     assert report is not None and report.breakdown is not None
-    assert report.breakdown.at_end[Category.KV_CACHE] == BATCH * (PROMPT + NEW) * 32 * 4
+    assert report.breakdown.at_end[Category.KV_CACHE] == BATCH * (PROMPT + NEW - 1) * 32 * 4
 
 
 class Cacheless(nn.Embedding):
@@ -148,7 +148,7 @@ def test_the_panel_offers_generation_with_its_number_of_tokens() -> None:
     assert result is not None and result.report is not None
     assert result.report.breakdown is not None
     config = llama().config
-    want = kv_cache_bytes(config, PROMPT + 5, BATCH, torch.float32)
+    want = kv_cache_bytes(config, PROMPT + 5 - 1, BATCH, torch.float32)
     assert result.report.breakdown.at_end[Category.KV_CACHE] == want
 
 
@@ -161,6 +161,6 @@ def test_under_autocast_the_note_counts_float32_keys_and_16_bit_values() -> None
     c = llama().config
     layers, heads, head_dim = c.num_hidden_layers, c.num_key_value_heads, 64 // 4
     per_token = layers * heads * head_dim * (4 + 2)
-    assert report.breakdown.at_end[Category.KV_CACHE] == per_token * (PROMPT + NEW) * BATCH
+    assert report.breakdown.at_end[Category.KV_CACHE] == per_token * (PROMPT + NEW - 1) * BATCH
     note = next(n for n in report.notes if n.startswith("KV cache:"))
     assert f"(4 B keys + 2 B values) = {per_token:,} B)" in note

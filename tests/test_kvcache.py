@@ -18,7 +18,7 @@ from memlab.step import RunConfig, StepHooks, WhatIfError, run
 transformers = pytest.importorskip("transformers")
 
 VOCAB, PROMPT, NEW, BATCH = 500, 20, 6, 3
-TOKENS = PROMPT + NEW
+TOKENS = PROMPT + NEW - 1  # the last new token is never fed back (generate()'s max_length - 1)
 GENERATE = RunConfig(mode="generate", new_tokens=NEW, batch_size=BATCH, device="cpu")
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 

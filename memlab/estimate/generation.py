@@ -55,8 +55,9 @@ def fit_generation(
     model_fn: the model, as for `memlab.estimate.estimate` (built on meta: no weights needed).
     input_fn(batch, length): the prompt, ``length`` tokens per sequence (token ids, or a
         mapping with input_ids); default: token id 0 everywhere (the ids do not change memory).
-    context: tokens per sequence in the cache at the end: the prompt (``context - new_tokens``)
-        and the new tokens (``config.new_tokens``).
+    context: tokens per sequence at the end: the prompt (``context - new_tokens``) and the new
+        tokens (``config.new_tokens``). The cache holds ``context - 1`` of them: as Hugging
+        Face's ``generate()``, the last new token is picked and never fed back.
     config: the generation's settings (mode "generate" is set); ``settings`` override fields.
     cache_dtype: "fp32", "bf16", "fp16" or "fp8": the key/value cache kept in that type while
         the model computes in its own. Hugging Face offers no such cache for a float32 model
@@ -108,13 +109,13 @@ def fit_generation(
     # the allocator model must not stop at the card's memory: a cheaper cache may still fit
     roomy = dataclasses.replace(card, memory=1 << 60)
     tried: dict[tuple[int, int], int | None] = {}
-    cached: dict[tuple[int, int], int] = {}  # the cache's bytes at the end
+    cached: dict[tuple[int, int], int] = {}  # the cache's bytes at the end (context - 1 tokens)
 
     def measure(b: int, length: int) -> tuple[bool, int | None]:
         e = estimate(
             model_fn, lambda n: prompt_fn(n, length), None, config.with_(batch_size=b), gpu=roomy
         )
-        saved, kv = _in_cache_dtype(e, model_config, cache_dtype, length + new)
+        saved, kv = _in_cache_dtype(e, model_config, cache_dtype, length + new - 1)
         peak = None if e.oom else e.peak_reserved - saved
         tried[(b, length + new)], cached[(b, length + new)] = peak, kv
         return peak is not None and peak <= card.usable, peak
@@ -231,17 +232,18 @@ def _check_rescalable(model: Any, model_config: Any) -> None:
 
 
 def _in_cache_dtype(
-    e: Estimate, model_config: Any, cache_dtype: str | None, context: int
+    e: Estimate, model_config: Any, cache_dtype: str | None, cached: int
 ) -> tuple[int, int]:
     """(bytes the peak would shrink by, the cache's bytes at the end) with the cache kept in
     ``cache_dtype``: the cache's bytes scaled by the ratio of the type's size to the size the
-    estimate's cache had (its bytes at the end over its elements by the formula)."""
+    estimate's cache had (its bytes at the end over its elements by the formula, for the
+    ``cached`` tokens it holds)."""
     b = e.tensors.breakdown
     if b is None:
         return 0, 0
     kv_end, kv_peak = b.at_end.get(Category.KV_CACHE, 0), b.at_peak.get(Category.KV_CACHE, 0)
     if cache_dtype is None or not kv_end:
         return 0, kv_end
-    elements = kv_cache_bytes(model_config, context, e.config.batch_size, torch.int8)
+    elements = kv_cache_bytes(model_config, cached, e.config.batch_size, torch.int8)
     ratio = CACHE_DTYPES[cache_dtype] / (kv_end / elements)
     return int(kv_peak * (1 - ratio)), int(kv_end * ratio)

@@ -55,19 +55,20 @@ def positions(model: Any) -> int | None:
 
 @contextlib.contextmanager
 def within_positions(model: Any, config: RunConfig, prompt: int) -> Iterator[None]:
-    """An IndexError raised while generating ``prompt`` + new_tokens tokens past the model's
-    position table, explained with what to pass; any other error as it is."""
+    """An IndexError raised while feeding ``prompt`` + new_tokens - 1 tokens (the last new
+    token is never fed back) past the model's position table, explained with what to pass;
+    any other error as it is."""
     try:
         yield
     except IndexError as e:
-        limit = positions(model)
-        if limit is None or prompt + config.new_tokens <= limit:
+        limit, fed = positions(model), prompt + config.new_tokens - 1
+        if limit is None or fed <= limit:
             raise
         raise WhatIfError(
-            f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) makes "
-            f"{prompt + config.new_tokens:,}, past the {limit:,} positions "
-            f"{type(model).__name__}'s config allows ({message_of(e)}): pass new_tokens ≤ "
-            f"{max(limit - prompt, 1):,}, or a shorter prompt."
+            f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) feeds the "
+            f"model {fed:,} tokens (the last new token is not fed back), past the {limit:,} "
+            f"positions {type(model).__name__}'s config allows ({message_of(e)}): pass "
+            f"new_tokens ≤ {max(limit - prompt + 1, 1):,}, or a shorter prompt."
         ) from e
 
 

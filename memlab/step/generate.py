@@ -1,7 +1,10 @@
 """``mode="generate"``: a prompt read at once (prefill), then ``new_tokens`` tokens one at a
 time, each step reading the key/value cache the earlier ones filled: what inference with a
 language model holds in memory. Greedy decoding (the argmax token), no stopping early, so every
-run generates the same number of tokens.
+run generates the same number of tokens. As Hugging Face's ``generate(max_new_tokens=n)``:
+``n`` forwards, the prefill's logits giving the first token and each of the ``n - 1`` decode
+steps feeding the token before; the last token is picked, never fed back, so the cache ends
+with the prompt and ``n - 1`` tokens.
 
 Two kinds of model: one that takes and returns a cache as Hugging Face's do
 (``model(input_ids=..., past_key_values=..., use_cache=True)`` returning ``.logits`` and
@@ -30,9 +33,9 @@ from memlab.step.decoding import (
 from memlab.step.kvcache import (
     cache_shape,
     cache_tensors,
-    held_bytes,
     kv_cache_bytes,
     static_cache,
+    viewed_bytes,
 )
 from memlab.step.model import call, check_device, check_keywords, cpu_to
 from memlab.step.outputs import tensors_in
@@ -55,7 +58,7 @@ def unstaged(name: str) -> contextlib.AbstractContextManager[Any]:
 def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unstaged) -> list[Any]:
     """Prefill and decode under ``torch.no_grad()``; marks the prompt as input and the cache's
     tensors as ``kv_cache``; returns what stays alive after: the generated tokens and the
-    cache (kept as a chat keeps it for its next turn), and the number of tokens it has seen.
+    cache (kept as a chat keeps it for its next turn), and the number of tokens it holds.
     Each call of the model is labelled in the timeline, "prefill" for the prompt's and
     "decode" for each new token's; picking the token between them stays "other", so the
     decode steps stand apart."""
@@ -80,7 +83,7 @@ def generate(user: UserStep, config: RunConfig, mark: Mark, stage: Stage = unsta
             kept = _hugging_face(model, prompt, config, mark, stage, name)
         else:
             kept = _plain(model, prompt, config, mark, stage)
-    user.prefilled = kept.pop()  # the cache's bytes after the prefill, for the cache's note
+    user.prefilled = kept.pop()  # keys' and values' bytes after the prefill, for the note
     return kept
 
 
@@ -97,26 +100,25 @@ def _hugging_face(
     mask = kwargs.get("attention_mask")
     ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
     given = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
-    length = given + config.new_tokens
-    if config.cache == "static":  # room for every token, taken in the prefill
+    length = given + config.new_tokens - 1  # the last token is never fed back (generate()'s)
+    if config.cache == "static":  # room for every token fed, taken in the prefill
         kwargs[cache_name] = static_cache(model, config.batch_size, length)
     with within_positions(model, config, given):
         with stage("prefill"):
             out = model_output(model(**kwargs, use_cache=True), model)
-        prefilled = held_bytes(cache_of(out))
-        tokens = []
-        for _ in range(config.new_tokens):
+        prefilled = viewed_bytes(cache_of(out))
+        tokens = [out.logits[:, -1:].argmax(-1)]  # the prefill's logits give the first token
+        for _ in range(config.new_tokens - 1):
             cache = cache_of(out)
             mark_cache(cache, mark)
-            token = out.logits[:, -1:].argmax(-1)
-            tokens.append(token)
-            step: dict[str, Any] = {"input_ids": token, cache_name: cache, "use_cache": True}
+            step: dict[str, Any] = {"input_ids": tokens[-1], cache_name: cache, "use_cache": True}
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
                 step["attention_mask"] = mask
             del out  # the last step's logits go before the next step's come
             with stage("decode"):
                 out = model_output(model(**step), model)
+            tokens.append(out.logits[:, -1:].argmax(-1))
     cache = cache_of(out)
     mark_cache(cache, mark)
     return [tokens, cache, length, prefilled]
@@ -144,20 +146,18 @@ def _plain(model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Stage)
             f"Face one, and this one refused ({message_of(e)}): give its forward a cache "
             "argument (None for the prompt) and return (logits, cache)."
         ) from e
-    out = _pair(first)
-    prefilled = held_bytes(out[1])
-    tokens = []
-    for _ in range(config.new_tokens):
-        mark_cache(out[1], mark)
-        token = out[0][:, -1:].argmax(-1)
-        tokens.append(token)
-        cache = out[1]
-        del out  # the last step's logits go before the next step's come
+    logits, cache = _pair(first)
+    del first  # the prefill's output goes as in a user's loop: only its cache stays
+    prefilled = viewed_bytes(cache)
+    tokens = [logits[:, -1:].argmax(-1)]  # the prefill's logits give the first token
+    for _ in range(config.new_tokens - 1):  # the last token is never fed back
+        mark_cache(cache, mark)
+        del logits  # the last step's logits go before the next step's come
         with stage("decode"):
-            out = _pair(model(token, cache))
-        del cache
-    mark_cache(out[1], mark)
-    return [tokens, out[1], prompt.shape[1] + config.new_tokens, prefilled]
+            logits, cache = _pair(model(tokens[-1], cache))
+        tokens.append(logits[:, -1:].argmax(-1))
+    mark_cache(cache, mark)
+    return [tokens, cache, prompt.shape[1] + config.new_tokens - 1, prefilled]
 
 
 def _pair(out: Any) -> tuple[torch.Tensor, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memlab.core._torch_record import storage_address
 from memlab.step.config import RunConfig, WhatIfError
 
 
@@ -147,8 +148,39 @@ def _own(cache: Any) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
 
 
 def held_bytes(cache: Any) -> int:
-    """Bytes of the cache's storages, an encoder-decoder's cross-attention part left out."""
-    return sum(t.untyped_storage().nbytes() for t in _own(cache)[0])
+    """Bytes of the cache's storages, each once, an encoder-decoder's cross-attention part left
+    out. A key that is a view of a larger storage (a fused qkv projection's output, queries
+    included) keeps all of it alive, so the whole storage is what the cache holds."""
+    return _storage_bytes(_own(cache)[0])
+
+
+def viewed_bytes(cache: Any) -> int:
+    """Bytes of the keys and values themselves (elements x size, each storage's views at most
+    its size), an encoder-decoder's cross-attention part left out: what grows a token at a
+    time, even where the storages around them hold more (`held_bytes`)."""
+    seen: dict[int, tuple[int, set[tuple[Any, ...]]]] = {}
+    for t in _own(cache)[0]:
+        s = t.untyped_storage()
+        _, views = seen.setdefault(storage_address(s), (s.nbytes(), set()))
+        views.add((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))
+    return sum(
+        min(size, sum(_prod(shape) * torch.empty((), dtype=dtype).element_size()
+                      for _, shape, _, dtype in views))
+        for size, views in seen.values()
+    )  # fmt: skip
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the tensors' storages, a storage shared by several tensors counted once."""
+    sizes = {storage_address(s): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(sizes.values())
 
 
 def cache_note(
@@ -159,9 +191,11 @@ def cache_note(
     and values may differ in type: under autocast, rotary embeddings leave the keys in float32
     and the values in 16 bits. An encoder-decoder's cross-attention keys and values (the
     encoder's positions, made once) are said apart from the per-token figure. ``prefilled``:
-    the cache's bytes after the prefill; where the decode grew it by less than the per-token
-    figure would say (a recurrent or linear-attention layer's state: Mamba, Jamba), the state
-    of fixed size is said apart and the per-token figure is the growth's."""
+    the keys' and values' bytes after the prefill (`viewed_bytes`); where the decode grew them
+    by less than the per-token figure would say (a recurrent or linear-attention layer's state:
+    Mamba, Jamba), the state of fixed size is said apart and the per-token figure is the
+    growth's. Keys and values that are views of larger storages (a fused qkv output) are
+    counted per token by their own bytes, and the rest of those storages said apart."""
     tensors, across = _own(cache)
     held = held_bytes(cache)
     if not held or not tokens:
@@ -172,12 +206,14 @@ def cache_note(
         slid, attending = [w for w in windows(model_config) if w is not None], attends(model_config)
     except WhatIfError:
         layers, slid, attending = 0, [], []
-    state, per_token = _state(config, held, tokens, prefilled, bool(slid))
+    # a sliding layer's window is a view of a storage one token longer: said by its own note
+    own = held if slid or config.cache == "static" else viewed_bytes(cache)
+    state, per_token = _state(config, own, tokens, prefilled, bool(slid))
     kind = "static " if config.cache == "static" else ""
     if state and not per_token:
         text = (
             f"KV cache: {held:,} B for {batch} sequences, a state of fixed size: it did not grow "
-            f"over the {config.new_tokens} new tokens ({held // batch:,} B per sequence: a "
+            f"over the {config.new_tokens - 1} decode steps ({held // batch:,} B per sequence: a "
             "recurrent or linear-attention layer's state, as Mamba's convolution and SSM "
             "states, not keys and values a token)"
         )
@@ -189,6 +225,11 @@ def cache_note(
         if state:
             text += f", and {state:,} B of state that does not grow with tokens (recurrent or "
             text += "linear-attention layers)"
+    if held > own:
+        text += (
+            f"; {held - own:,} B of it are no keys or values: the rest of larger storages that "
+            "the cache's tensors are views of (a fused qkv projection's output), alive whole"
+        )
     if not layers or not any(attending):
         return text
     k, v = tensors[0].element_size(), tensors[min(1, len(tensors) - 1)].element_size()
@@ -198,7 +239,7 @@ def cache_note(
     counted = f"{layers} layers" if kept == layers else f"{kept} of {layers} layers"
     text += f" (formula: {counted} x {kv_heads} KV heads x {head_dim} x {sizes} = {formula:,} B)"
     if across:
-        made = sum(t.untyped_storage().nbytes() for t in across.values())
+        made = _storage_bytes(across.values())
         text += f"; cross-attention (the encoder's positions, made once): {made:,} B more"
     if slid and k == v:
         want = kv_cache_bytes(model_config, tokens, batch, tensors[0].dtype)
@@ -210,15 +251,18 @@ def cache_note(
 
 
 def _state(
-    config: RunConfig, held: int, tokens: int, prefilled: int | None, sliding: bool
+    config: RunConfig, own: int, tokens: int, prefilled: int | None, sliding: bool
 ) -> tuple[int, int]:
-    """(bytes of state that did not grow with tokens, bytes per token). A dynamic cache
-    without sliding windows grows by the same bytes for every token: what the decode added per
-    token, times the tokens, is the per-token part; the rest, if any, is a state. Otherwise
-    (static, sliding, no decode step measured) everything counts per token."""
-    per_token = held // (tokens * config.batch_size)
-    if prefilled is None or sliding or config.cache == "static" or not config.new_tokens:
+    """(bytes of state that did not grow with tokens, bytes per token), of ``own`` bytes of
+    keys, values and states. A dynamic cache without sliding windows grows by the same bytes
+    for every token: what the new_tokens - 1 decode steps added per token (the last token is
+    never fed back, as in Hugging Face's generate()), times the tokens, is the per-token
+    part; the rest, if any, is a state. Otherwise (static, sliding, no decode step: one new
+    token) everything counts per token."""
+    per_token = own // (tokens * config.batch_size)
+    steps = config.new_tokens - 1
+    if prefilled is None or sliding or config.cache == "static" or steps < 1:
         return 0, per_token
-    grown = max(held - prefilled, 0) // (config.new_tokens * config.batch_size)
-    state = held - grown * tokens * config.batch_size
+    grown = max(own - prefilled, 0) // (steps * config.batch_size)
+    state = own - grown * tokens * config.batch_size
     return (state, grown) if state > 0 else (0, per_token)

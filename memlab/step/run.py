@@ -149,8 +149,9 @@ def _run(
         amp = autocast_of(config.amp, device, hooks.autocast)
         user = UserStep(compiled(model, config, device), input_fn, loss_fn, step_fn, device, loop)
         step = functools.partial(_step, user, config, opt, scaler, amp, off)
-        # a generation's warm-up needs one new token to pay the one-time costs, not all of them
-        one = config.with_(new_tokens=1) if config.mode == Mode.GENERATE else config
+        # a generation's warm-up pays the one-time costs with a prefill and one decode step
+        few = min(2, config.new_tokens)
+        one = config.with_(new_tokens=few) if config.mode == Mode.GENERATE else config
         warm = functools.partial(_step, user, one, opt, scaler, amp, off)
         # what existed before the run (earlier runs' models still alive, a notebook's tensors
         # memlab already knows) left out on the CPU, as in a fresh process (`step.leftovers`)

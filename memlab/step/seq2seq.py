@@ -1,8 +1,9 @@
 """``mode="generate"`` for an encoder-decoder model (Hugging Face's T5, BART, Whisper, ...: a
 config with ``is_encoder_decoder``): the prefill encodes the input once and reads the decoder's
-first token(s); each decode step then reads one token, the encoder's output and the cache,
-as ``generate()`` does. The cache holds the decoder's self-attention keys and values (growing
-a token a step) and the cross-attention's (the encoder's length, made once)."""
+first token(s), whose logits give the first new token; each of the ``new_tokens - 1`` decode
+steps then reads the token before, the encoder's output and the cache, as ``generate()`` does
+(the last token is never fed back). The cache holds the decoder's self-attention keys and
+values (growing a token a step) and the cross-attention's (the encoder's length, made once)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from memlab.step.decoding import (
     model_output,
     within_positions,
 )
-from memlab.step.kvcache import held_bytes
+from memlab.step.kvcache import viewed_bytes
 from memlab.step.outputs import tensors_in
 
 Mark = Callable[[torch.Tensor, Category], None]
@@ -36,8 +37,8 @@ def encoder_decoder(
     model: Any, prompt: Any, config: RunConfig, mark: Mark, stage: Any, cache_name: str
 ) -> list[Any]:
     """Prefill and decode an encoder-decoder model; returns what stays alive after, as
-    `memlab.step.generate.generate` does: the tokens, the cache, and the decoder's tokens; and
-    the cache's bytes after the prefill (its self-attention part)."""
+    `memlab.step.generate.generate` does: the tokens, the cache, and the decoder's tokens it
+    holds; and the keys' and values' bytes after the prefill (its self-attention part)."""
     main = getattr(model, "main_input_name", "input_ids")
     kwargs = dict(prompt) if isinstance(prompt, Mapping) else {main: prompt}
     kwargs.pop("labels", None)  # a loss is not part of generating
@@ -65,25 +66,24 @@ def encoder_decoder(
             out = model_output(
                 model(**kwargs, decoder_input_ids=decoder_ids, use_cache=True), model
             )
-        prefilled = held_bytes(cache_of(out, WHAT))
+        prefilled = viewed_bytes(cache_of(out, WHAT))
         encoded = (out.encoder_last_hidden_state,)  # kept for every step, as generate() does
         mark(encoded[0], Category.ACTIVATION)
-        tokens = []
-        for _ in range(config.new_tokens):
+        tokens = [out.logits[:, -1:].argmax(-1)]  # the prefill's logits give the first token
+        for _ in range(config.new_tokens - 1):  # the last token is never fed back
             cache = cache_of(out, WHAT)
             mark_cache(cache, mark)
-            token = out.logits[:, -1:].argmax(-1)
-            tokens.append(token)
             del out  # the last step's logits go before the next step's come
             with stage("decode"):
                 out = model(
-                    encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token,
+                    encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=tokens[-1],
                     use_cache=True, **{cache_name: cache},
                 )  # fmt: skip
             out = model_output(out, model)
+            tokens.append(out.logits[:, -1:].argmax(-1))
     cache = cache_of(out, WHAT)
     mark_cache(cache, mark)
-    return [tokens, cache, decoder_ids.shape[1] + config.new_tokens, prefilled]
+    return [tokens, cache, decoder_ids.shape[1] + config.new_tokens - 1, prefilled]
 
 
 def _start_token(model: Any) -> int:
