@@ -20,8 +20,10 @@ cards' figures are PyTorch's documented defaults, not yet checked on each card: 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from dataclasses import dataclass
+from typing import Any
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -66,11 +68,13 @@ GPUS: dict[str, GPU] = {
 }
 
 
-def gpu(spec: str | GPU | int | None) -> GPU | None:
+def gpu(spec: str | GPU | int | float | None) -> GPU | None:
     """A GPU by name (case and spaces ignored), a `GPU`, a size in bytes (a custom card with
-    Hopper's workspace), or None (no card: no capacity, pre-Hopper workspace)."""
+    Hopper's workspace; a float too where it is a whole number: ``16.5 * 2**30``), or None (no
+    card: no capacity, pre-Hopper workspace)."""
     if spec is None or isinstance(spec, GPU):
         return spec
+    spec = _whole_bytes(spec)
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec > LARGEST:
             raise ValueError(
@@ -96,6 +100,26 @@ def gpu(spec: str | GPU | int | None) -> GPU | None:
             "'24GiB', or a size in bytes."
         )
     raise TypeError(f"gpu takes a name, a GPU, a size in bytes or None, not {spec!r}.")
+
+
+def _whole_bytes(spec: Any) -> Any:
+    """A size in bytes as an int: numpy's integers, and a float that is a whole number (a size
+    worked out as ``16.5 * 2**30``); anything else as it came. A float with a fraction of a
+    byte is a ValueError: no GPU holds one, and rounding it would hide a unit slip."""
+    if isinstance(spec, (bool, str)):
+        return spec
+    if isinstance(spec, numbers.Integral):
+        return int(spec)
+    if isinstance(spec, numbers.Real):
+        size = float(spec)
+        if not size.is_integer():  # (also inf and nan)
+            raise ValueError(
+                f"gpu got {spec!r}, not a whole number of bytes. Pass a size in bytes as an int "
+                "(int(...) of it), a size with its unit such as '16.5GiB', or a name such as "
+                "'H100'."
+            )
+        return int(size)
+    return spec
 
 
 def matching(name: str, memory: int, major: int) -> GPU:

@@ -48,7 +48,7 @@ def config_levers(
     config: RunConfig | None = None,
     *,
     step_fn: StepFn | None = None,
-    gpu: str | GPU | int | None = "H100 80GB",
+    gpu: str | GPU | int | float | None = "H100 80GB",
 ) -> list[Lever]:
     """Each lever of ``config`` with its peak reserved bytes predicted for ``gpu`` (and whether
     it fits there). A lever the step cannot take (no repeated blocks to checkpoint) is left out.
@@ -70,7 +70,7 @@ def run_levers(
     loss_fn: LossFn | None = None,
     *,
     step_fn: StepFn | None = None,
-    gpu: str | GPU | int | None = None,
+    gpu: str | GPU | int | float | None = None,
     state: Any = None,
 ) -> Callable[[BaseException, RunConfig, str], OOMExplanation | None]:
     """A `StepHooks.on_oom` for a what-if run of these functions: the out-of-memory explained

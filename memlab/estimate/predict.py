@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from memlab.core import _torch
@@ -28,18 +27,21 @@ from memlab.estimate.kernels import (
     HostRandomState,
     cuda_functions,
 )
+from memlab.estimate.kernels.cpu_attention import cpu_functions
 from memlab.estimate.kernels.device import device_kernels
 from memlab.estimate.kernels.plain import STATE as UNMEASURED
 from memlab.estimate.kernels.reduce import sms_of
 from memlab.estimate.kernels.rnn import flatten_patch
 from memlab.estimate.listener import AllocatorListener
 from memlab.estimate.meta_errors import on_meta
+from memlab.estimate.positions import LookupChecks
 from memlab.estimate.redirect import (
     META,
     OrdinaryInputs,
     build_on_meta,
     meta_device_module,
     redirected,
+    redirecting,
 )
 from memlab.estimate.result import Estimate
 from memlab.estimate.spread import summarise
@@ -64,7 +66,7 @@ def estimate(
     config: RunConfig | None = None,
     *,
     step_fn: StepFn | None = None,
-    gpu: str | GPU | int | None = "H100 80GB",
+    gpu: str | GPU | int | float | None = "H100 80GB",
     workspace: int | None = None,
     cuda_kernels: bool = True,
     trace: bool = False,
@@ -83,8 +85,9 @@ def estimate(
     workspace: the cuBLAS workspace of each handle in bytes, overriding the GPU's default (0: no
         cuBLAS or cuBLASLt workspace).
     cuda_kernels: run attention, dropout and the transformer layers' fast paths as CUDA does
-        (`memlab.estimate.kernels`); False: as meta's own kernels, which are the CPU's (useful to
-        compare an estimate with a CPU run).
+        (`memlab.estimate.kernels`); False: as the CPU does, to compare an estimate with a CPU
+        run (attention through the CPU's kernel choice, the rest through meta's own kernels,
+        which are the CPU's; ``amp`` still follows CUDA's autocast policy).
     trace: keep the predicted allocation stream (`Estimate.trace`).
     settings: RunConfig fields that override ``config`` (``estimate(m, x, batch_size=32)``).
 
@@ -107,6 +110,7 @@ def estimate(
         with _torch.patched([flatten_patch()] if cuda_kernels else []):
             model = build_on_meta(model_fn)
         checks.refresh()  # libraries model_fn imported
+        lookups.learn(model)  # its learned position tables
         if not units and hasattr(model, "named_modules"):
             named = dict(model.named_modules())
             units.extend(_parameter_bytes(named[path]) for path in blocks(model))
@@ -116,8 +120,8 @@ def estimate(
         with redirected():
             return input_fn(batch)
 
-    loss_on_meta = None if loss_fn is None else _on_meta(loss_fn)
-    step_on_meta = None if step_fn is None else _on_meta(step_fn)
+    loss_on_meta = None if loss_fn is None else redirecting(loss_fn)
+    step_on_meta = None if step_fn is None else redirecting(step_fn)
 
     ledger = default_ledger()
     assumed: list[str] = []  # what library value checks took for granted on meta
@@ -140,6 +144,7 @@ def estimate(
         with (
             _cuda_like(cuda_kernels, workspaces.take, sms, own),
             OrdinaryInputs(assumed) as checks,
+            LookupChecks(assumed) as lookups,
         ):
             # torch.compile is not modelled: the eager step, said in the notes (toggles.py)
             ran = config.with_(compile=False)
@@ -175,18 +180,6 @@ def estimate(
     return found
 
 
-def _on_meta(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, whose tensors go to ``meta`` wherever it puts them (a loss that names "cuda")."""
-    if not callable(fn):  # the step says what is wrong with it
-        return fn  # type: ignore[unreachable]
-
-    def call(*args: Any) -> Any:
-        with redirected():
-            return fn(*args)
-
-    return call
-
-
 @contextlib.contextmanager
 def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int, own: list[str]) -> Any:
     """Accounting for the whole run, warm-up included, on meta; with ``cuda_kernels``,
@@ -194,7 +187,8 @@ def _cuda_like(cuda_kernels: bool, take_workspace: Any, sms: int, own: list[str]
     attention kernels' seed and offset on the CPU: the accounting's mode, entered after, sees
     them there), and the cuBLAS workspaces where a GPU takes them."""
     null = contextlib.nullcontext
-    kernels, host = (cuda_functions(), HostRandomState()) if cuda_kernels else (null(), null())
+    kernels = cuda_functions() if cuda_kernels else cpu_functions()  # SDPA: as the CPU picks
+    host = HostRandomState() if cuda_kernels else null()
     copies = CudaAllocations(sms) if cuda_kernels else null()
     handles = CublasHandles(take_workspace)
     grouped = device_kernels()  # losses, mish's backward, MoE products: as a device runs them
