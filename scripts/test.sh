@@ -26,4 +26,5 @@ fi
 cores="$(nproc 2>/dev/null || echo 1)"
 workers="${MEMLAB_TEST_WORKERS:-$(( cores > 4 ? 4 : cores ))}"
 [ "$workers" -le 1 ] && workers=0
-exec "$MEMLAB_PY" -m pytest -n "$workers" --dist loadfile "$@"
+# The slowest tests are listed at the end (what to make lighter when the suite grows).
+exec "$MEMLAB_PY" -m pytest -n "$workers" --dist loadfile --durations=30 "$@"
