@@ -39,8 +39,11 @@ def _join(frame: Any, event: str, arg: Any) -> None:
     with _lock:
         followers = list(_OPEN)
     for follower in followers:
-        if follower.lib is None or not follower.lib.mn_thread_join():
-            follower.missed += 1
+        try:
+            joined = follower.lib is not None and bool(follower.lib.mn_thread_join())
+        except Exception:  # never the program's thread's error: the region says it missed it
+            joined = False
+        follower.missed += not joined
     if before is not None:  # the program's hook sees this first call too
         before(frame, event, arg)
 
