@@ -30,8 +30,6 @@ _LENGTH_FIELDS = ("max_position_embeddings", "n_positions")
 #: Rows a table may keep above the longest sequence (BART's and OPT's learned positions: 2).
 _OFFSETS = (0, 2)
 
-_ORIGINAL = F.embedding
-
 
 def _input_table(model: nn.Module) -> Any:
     getter = getattr(model, "get_input_embeddings", None)
@@ -80,6 +78,7 @@ class LookupChecks:
             weakref.WeakKeyDictionary()
         )
         self._stack = contextlib.ExitStack()
+        self._inner: Any = F.embedding  # (what the block wraps: set again at each entry)
 
     def learn(self, model: Any) -> None:
         """Notes the learned position tables of ``model`` (built for this estimate)."""
@@ -87,6 +86,7 @@ class LookupChecks:
             self._tables.update(position_tables(model))
 
     def __enter__(self) -> LookupChecks:
+        self._inner = F.embedding  # (a patch of the program's, or another of memlab's, kept)
         self._stack.enter_context(_torch.patched([(F, "embedding", self._embedding)]))
         return self
 
@@ -99,7 +99,7 @@ class LookupChecks:
                 self.assumed.append(UNCHECKED)
             if input.dim() > 0:
                 self._check(input.shape[-1], weight)
-        return _ORIGINAL(input, weight, *args, **kw)
+        return self._inner(input, weight, *args, **kw)
 
     def _check(self, length: int, weight: torch.Tensor) -> None:
         for table, (path, field, n) in list(self._tables.items()):
