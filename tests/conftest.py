@@ -210,6 +210,17 @@ def ip(_shell: tuple[Any, Recorded]) -> Iterator[Any]:
     assert hooks_installed() == NOTHING_INSTALLED
 
 
+#: A decoder small enough for a test's step in a second, with grouped-query attention (4 query
+#: heads, 2 key/value heads): a Hugging Face config's keyword arguments (Llama, Qwen2, Mistral).
+TINY_DECODER: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 def bounded(fn: Any, seconds: float = 60) -> Any:
     """``fn()`` in a thread; a hang fails the test instead of the run."""
     out: dict[str, Any] = {}

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 import transformers
+from conftest import TINY_DECODER
 from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
@@ -145,11 +146,7 @@ def test_keyword_arguments_a_checkpoint_holds_are_noted_not_counted() -> None:
 def test_hugging_face_gradient_checkpointing(family: str) -> None:
     config = getattr(transformers, f"{family}Config")(
         vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         max_position_embeddings=64,
     )
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_DECODER
 
 import memlab
 
@@ -19,11 +20,7 @@ def test_a_cache_from_an_earlier_region_is_still_a_kv_cache(
     monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
     config = transformers.LlamaConfig(
         vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         max_position_embeddings=64,
     )
     torch.manual_seed(0)

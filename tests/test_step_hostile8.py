@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_DECODER
 from torch import nn
 
 from memlab.core.categories import Category
@@ -138,14 +139,7 @@ def test_fp16_parameters_with_amp_bf16_or_a_step_fn_s_own_backward_still_run() -
     assert run(_half_linear, x, step_fn=own, amp="fp16", device="cpu", batch_size=4).peak > 0
 
 
-LLAMA = dict(
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+LLAMA = dict(vocab_size=100, **TINY_DECODER)
 
 
 def _lora() -> nn.Module:
