@@ -5,8 +5,9 @@ steps of a 2-layer MLP, 2048 wide) runs here without a kernel, the ways taking t
 bare; with the allocator's history alone (started, the loop, one snapshot, stopped: what
 PyTorch's recording costs without memlab); under ``memlab.track()``; under
 ``memlab.track(breakdown=True)``. Under the last, each part of the log's work is timed on its
-own: its start, the snapshot, the hooks' names at the end, the replay (``settle``), and the
-rest of the close. Medians over the rounds, and how many events and names a region has.
+own: its start, the snapshot, the hooks' names at the end, the replay (``settle``, made when
+the breakdown is first read: one way reads it), and the rest of the close. Medians over the
+rounds, and how many events and names a region has.
 
     python benchmarks/bench_cuda_log_parts.py [--rounds 30] [--out FILE]
 """
@@ -28,7 +29,7 @@ import torch
 from common import emit, header
 
 import memlab
-from memlab.core import _torch, cuda_log, cuda_names
+from memlab.core import _torch, cuda_later, cuda_log, cuda_names
 from memlab.core._torch_history import start_cuda_log
 
 _parts: dict[str, list[float]] = defaultdict(list)
@@ -88,13 +89,14 @@ def again(step: Callable[[int], None], n: int, dump: str | None) -> list[str]:
         got.append((copy.deepcopy(a), copy.deepcopy(k)))
         return inner(*a, **k)
 
-    cuda_log.settle = keep
+    cuda_later.settle = keep
     try:
         with memlab.track(breakdown=True, reset_peak=True) as region:
             step(n)
+        report = region.report
+        report.breakdown  # noqa: B018  (the replay waits for the first read)
     finally:
-        cuda_log.settle = inner
-    report = region.report
+        cuda_later.settle = inner
     if not got:
         return ["The replay timed again: the region did not replay a log."]
     (a, k) = got[-1]
@@ -154,10 +156,12 @@ def main() -> None:
         snapshot()
         record(False)
 
-    def tracked(breakdown: bool) -> Callable[[], None]:
+    def tracked(breakdown: bool, read: bool = False) -> Callable[[], None]:
         def run() -> None:
-            with memlab.track(breakdown=breakdown):
+            with memlab.track(breakdown=breakdown) as region:
                 step(n)
+            if read:  # (the log's replay waits for the breakdown's first read)
+                region.report.breakdown  # noqa: B018
 
         return run
 
@@ -166,6 +170,7 @@ def main() -> None:
         "the allocator's history alone": history_alone,
         "`track()`": tracked(False),
         "`track(breakdown=True)`": tracked(True),
+        "`track(breakdown=True)`, the breakdown read": tracked(True, read=True),
     }
     for way in ways.values():  # warm up
         way()
@@ -178,7 +183,7 @@ def main() -> None:
     timed(cuda_names.Names, "at_end", "  of which the names at the end")
     timed(cuda_log, "active_blocks", "  of which the blocks alive, read")
     timed(_torch, "record_memory_history", "  of which the history's stop")
-    timed(cuda_log, "settle", "the replay (settle)", count=True)
+    timed(cuda_later, "settle", "the replay (settle), at the breakdown's first read", count=True)
     walls: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.rounds):
         for name, way in ways.items():

@@ -76,6 +76,20 @@ class DispatchMode:
             os.environ.pop("MEMLAB_CUDA_LOG", None)
 
 
+class Read:
+    """``track(breakdown=True)`` with its breakdown read after the step (the log's replay
+    waits for the first read: `memlab.core.cuda_later`)."""
+
+    def __enter__(self) -> Read:
+        self.region = memlab.track("cuda", breakdown=True)
+        self.region.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.region.__exit__(*exc)
+        self.region.report.breakdown  # noqa: B018
+
+
 def gpt2() -> tuple[nn.Module, Any] | None:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -100,7 +114,7 @@ WAYS: dict[str, Callable[[], Any]] = {
     "bare": lambda: None,
     "a dispatch mode that does nothing": Nothing,
     "memlab.track()": lambda: memlab.track("cuda"),
-    "memlab.track(breakdown=True)": lambda: memlab.track("cuda", breakdown=True),
+    "memlab.track(breakdown=True), read": Read,
     "the same, by the dispatch mode": DispatchMode,
 }
 

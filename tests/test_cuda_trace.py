@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuda_stand_in import stand_in
+from cuda_stand_in import replayed, stand_in
 
 from memlab.core.categories import Category
 from memlab.core.cuda_claim import ENV, why_not
@@ -492,7 +492,7 @@ def test_the_log_is_claimed_once_and_given_back_after_an_interrupted_close(
     assert not fake.on and not cuda_claim._OPEN  # history off and the log given back
     log.stop()  # tried again: the naming goes on, the log is not read twice
     assert calls["n"] == 2 and fake.reads == 1
-    t = log.tally(True)
+    t = replayed(log.tally(True))
     assert t.at_end is not None and t.at_end[Category.OTHER] == 1536
 
 
@@ -513,9 +513,11 @@ def test_a_history_the_program_sets_inside_the_region_is_left_on(monkeypatch: An
     assert programs == ["all"] and fake.on  # called through, and never turned off by memlab
     assert torch.cuda.memory._record_memory_history is programs_own  # (memlab's watch is gone)
     assert any("left as the program set it" in n for n in log.notes)
-    t = log.tally(True)
+    tally = log.tally(True)
+    t = replayed(tally)
     assert t.at_end is not None and t.at_end[Category.OTHER] == 512
-    assert any("may miss what came before" in n for n in log.notes)  # (it may have been cut)
+    _, said = tally.later()  # (the replay's notes)
+    assert any("may miss what came before" in n for n in said)  # (it may have been cut)
     assert not cuda_claim._OPEN
     log2, fake2 = opened(monkeypatch, [], [])  # a region without it: its own history goes off
     log2.stop()
@@ -541,7 +543,7 @@ def test_a_program_call_that_failed_or_a_wrapper_left_behind_takes_nothing(
     watching = torch.cuda.memory._record_memory_history
     torch.cuda.memory._record_memory_history = lambda *a, **k: watching(*a, **k)  # a tool's
     log.stop()
-    assert not fake.on and log.tally(True).at_end is not None  # memlab's own, turned off
+    assert not fake.on and replayed(log.tally(True)).at_end is not None  # memlab's own, turned off
     gone = weakref.ref(log)
     del log
     gc.collect()
@@ -554,8 +556,9 @@ def test_a_log_restarted_inside_the_region_says_so(monkeypatch: Any) -> None:
     # a free of 2 KiB from before the region, where the allocator held nothing at its start
     log, _ = opened(monkeypatch, [ev("free_requested", 100, 2048, 1e18)], [])
     log.stop()
-    t = log.tally(True)
-    assert t.at_peak is not None and any("holds only the region's last" in n for n in log.notes)
+    tally = log.tally(True)
+    t, said = tally.later()
+    assert t.at_peak is not None and any("holds only the region's last" in n for n in said)
 
 
 def test_a_log_that_cannot_be_read_never_reaches_the_users_cell(monkeypatch: Any) -> None:
@@ -568,7 +571,7 @@ def test_a_log_that_cannot_be_read_never_reaches_the_users_cell(monkeypatch: Any
 
     monkeypatch.setattr(_torch, "memory_snapshot", broken)
     log.stop()
-    assert not fake.on and log.tally(True).at_peak is None
+    assert not fake.on and replayed(log.tally(True)).at_peak is None
     assert any("could not be read (the allocator said no)" in n for n in log.notes)
 
 
@@ -645,7 +648,7 @@ def test_a_graph_built_under_the_log_is_walked_by_a_later_region() -> None:
 
 
 def test_a_log_that_cannot_be_settled_leaves_the_totals_and_says_why(monkeypatch: Any) -> None:
-    from memlab.core import cuda_log
+    from memlab.core import cuda_later
 
     log, _ = opened(monkeypatch, [ev("alloc", 100, 512, 1e18)], [(100, 512)])
     log.stop()
@@ -653,6 +656,8 @@ def test_a_log_that_cannot_be_settled_leaves_the_totals_and_says_why(monkeypatch
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("an event memlab has never seen")
 
-    monkeypatch.setattr(cuda_log, "settle", broken)
-    assert log.tally(True).at_peak is None
-    assert any("could not be settled" in n for n in log.notes)
+    monkeypatch.setattr(cuda_later, "settle", broken)
+    tally = log.tally(True)
+    made, said = tally.later()
+    assert made is None and replayed(tally).at_peak is None
+    assert any("could not be settled" in n for n in said)

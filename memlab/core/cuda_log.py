@@ -14,7 +14,8 @@ for one CUDA device, where a region asks for a breakdown (not a timeline). While
   top, the optimizers that stepped and the objects watched name what is alive (parameters,
   buffers, gradients, state).
 
-`memlab.core.cuda_trace.settle` then replays the log once. The figures are the allocator's
+`memlab.core.cuda_settle.settle` then replays the log once, when the breakdown is first read
+(`memlab.core.cuda_later`). The figures are the allocator's
 blocks, its rounding and the libraries' workspaces included: at the end they add up to
 ``memory_allocated()`` to the byte. Where the log cannot be used (the program records the
 history itself, another region reads it, ``MEMLAB_CUDA_LOG=0``), the dispatch mode measures.
@@ -33,8 +34,8 @@ from torch.optim import optimizer as optim_module
 from memlab.core import _torch, cuda_claim, cuda_older, kv_caches, transforms
 from memlab.core._torch_history import cuda_history_on, start_cuda_log, watch_history
 from memlab.core.categories import Category
+from memlab.core.cuda_later import Later, defer
 from memlab.core.cuda_names import Names, log_unpack, now_us
-from memlab.core.cuda_settle import settle
 from memlab.core.cuda_trace import active_blocks
 from memlab.core.native.roles import native_pack
 from memlab.core.older_graphs import unpack as _unpack
@@ -45,8 +46,6 @@ from memlab.core.warn import quiet_compile_hooks
 #: when read back: a long training loop in one cell would cost seconds); past them it drops
 #: the oldest, and the report says the breakdown may miss an earlier peak.
 MAX_EVENTS = 500_000
-#: The categories a breakdown gives figures for (iterating an Enum is slow: once, here).
-_NAMED = tuple(c for c in Category if c is not Category.UNATTRIBUTED)
 
 
 def is_accountant_pack(hook: Any) -> bool:
@@ -237,44 +236,21 @@ class CudaLog:
                 self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
             return _no_breakdown(before)
         names = self.names
-        try:
-            s = settle(
-                self._events,
-                before,
-                self._blocks,
-                names.named,
-                args=names.args,
-                saved_before=self._saved_before,
-                released=self._released,
-                unsaved=names.unsaved,
-                complete=self._complete and not names.trimmed,
-            )
-        except Exception as e:  # never the user's cell's problem: the totals stand without it
-            self.notes.append(f"no breakdown: the allocator's log could not be settled ({e!r})")
-            return _no_breakdown(before)
-        finally:
-            names.clear()
-        if not s.complete:
-            self.notes.append(
-                f"the allocator's log holds only the region's last {len(self._events):,} "
-                f"events (it keeps at most {MAX_EVENTS:,}, or other code restarted it): the "
-                "breakdown at the peak may miss what came before them"
-            )
-
-        def every(values: dict[Category, int]) -> dict[Category, int]:
-            return {c: values.get(c, 0) for c in _NAMED}
-
-        return Tally(
-            before=before,
-            after=s.end,
-            peak=s.peak,
-            at_peak=every(s.at_peak),
-            at_end=every(s.at_end),
-            highest=every(s.highest),
-            times=None,
-            totals=None,
-            phases=None,
+        later = Later(
+            self._events,
+            before,
+            self._blocks,
+            names.named,
+            args=names.args,
+            saved_before=self._saved_before,
+            released=self._released,
+            unsaved=names.unsaved,
+            complete=self._complete and not names.trimmed,
+            limit=MAX_EVENTS,
         )
+        names.clear()  # (its lists stay the replay's: clearing makes new ones)
+        self._events, self._blocks = [], []  # (the log is the replay's alone now)
+        return Tally(before, before, before, None, None, None, None, None, None, defer(later))
 
 
 def for_region(

@@ -47,6 +47,9 @@ class Tally:
     times: array[float] | None
     totals: array[int] | None
     phases: array[int] | None
+    #: Where the categories are made when first read (`memlab.core.cuda_later`): gives the
+    #: tally with them (None where none could be made) and the notes the making adds.
+    later: Callable[[], tuple[Tally | None, tuple[str, ...]]] | None = None
 
 
 class Recorder:

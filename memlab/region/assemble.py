@@ -4,7 +4,7 @@ tensor accounting's tally (categories, timeline)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ def assemble(
             "timeline: tensor bytes from accounting, offset to the allocator's figure at the "
             "start (the allocator's block rounding and workspaces are not in it)"
         )
-    return MemoryReport(
+    report = MemoryReport(
         allocated_before=s.allocated,
         allocated_after=e.allocated,
         peak_allocated=cr.peak_allocated,
@@ -82,6 +82,22 @@ def assemble(
         notes=tuple(notes),
         **common,
     )
+    if tally is not None and tally.later is not None:  # the log's replay, when first read
+        report.made_later(_later(tally.later, cr.peak_allocated, e.allocated, report.notes))
+    return report
+
+
+def _later(
+    make: Callable[[], tuple[Tally | None, tuple[str, ...]]],
+    peak: int,
+    end: int,
+    notes: tuple[str, ...],
+) -> Callable[[], tuple[Breakdown | None, tuple[str, ...]]]:
+    def made() -> tuple[Breakdown | None, tuple[str, ...]]:
+        tally, said = make()
+        return (_breakdown(tally, peak, end) if tally is not None else None), (*notes, *said)
+
+    return made
 
 
 def _breakdown(tally: Tally, peak: int | None, end: int | None) -> Breakdown | None:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
-from memlab.core.choices import PeakScope, Source, TimelineSource
+from memlab.core.choices import PeakScope, Source
 from memlab.core.cuda import DriverView
 from memlab.core.frames import users_traceback
 from memlab.reports.host import HostMemory
 from memlab.reports.protocol import Result
+from memlab.reports.timeline import Timeline as Timeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -52,65 +53,6 @@ class Breakdown:
         return {
             name: {c.value: int(getattr(self, name).get(c, 0)) for c in Category}
             for name in ("at_peak", "at_end", "highest")
-        }
-
-
-_Points = tuple[tuple[float, ...], tuple[int, ...], tuple[str, ...]]
-_POINT_FIELDS = ("seconds", "allocated", "phases")
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Memory over the region: seconds since its start, bytes, and the phase of each point."""
-
-    seconds: tuple[float, ...]
-    allocated: tuple[int, ...]
-    phases: tuple[str, ...]
-    source: TimelineSource
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "source", TimelineSource.parse("source", self.source))
-
-    @classmethod
-    def deferred(
-        cls, points: Callable[[], _Points], n: int, source: TimelineSource | str
-    ) -> Timeline:
-        """A timeline of ``n`` points whose tuples ``points()`` makes on first use: every
-        region with a breakdown has a timeline, and most are never looked at."""
-        made = object.__new__(cls)
-        object.__setattr__(made, "source", TimelineSource.parse("source", source))
-        object.__setattr__(made, "_points", points)
-        object.__setattr__(made, "_n", n)
-        return made
-
-    def __getattr__(self, name: str) -> Any:
-        # (only for an attribute not set: the points of a deferred timeline, made here once)
-        found = self.__dict__
-        if name in _POINT_FIELDS:
-            if name in found:  # (made by another thread meanwhile)
-                return found[name]
-            points = found.get("_points")
-            if points is not None:
-                for field_name, value in zip(_POINT_FIELDS, points(), strict=True):
-                    object.__setattr__(self, field_name, value)
-                found.pop("_points", None)
-                return found[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __getstate__(self) -> dict[str, Any]:
-        # (pickled and copied with its points made: the maker is a closure)
-        return {f: getattr(self, f) for f in (*_POINT_FIELDS, "source")}
-
-    def __len__(self) -> int:
-        n = self.__dict__.get("_n")
-        return n if n is not None and "_points" in self.__dict__ else len(self.seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "seconds": list(self.seconds),
-            "allocated": list(self.allocated),
-            "phases": list(self.phases),
-            "source": str(self.source),
         }
 
 
@@ -153,6 +95,31 @@ class MemoryReport(Result):
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", Source.parse("source", self.source))
         object.__setattr__(self, "peak_scope", PeakScope.parse("peak_scope", self.peak_scope))
+
+    def made_later(
+        self, make: Callable[[], tuple[Breakdown | None, tuple[str, ...]]]
+    ) -> MemoryReport:
+        """This report, its ``breakdown`` and ``notes`` now made by ``make()`` when first read
+        (a breakdown replayed from the CUDA allocator's log: `memlab.core.cuda_later`). Only
+        for a report just made, before anyone has it."""
+        object.__delattr__(self, "breakdown")
+        object.__delattr__(self, "notes")
+        object.__setattr__(self, "_make", make)
+        return self
+
+    def _made(self, name: str) -> Any:
+        found = self.__dict__
+        make = found.get("_make")
+        if make is not None and name not in found:
+            breakdown, notes = make()  # (the same each call: two threads take the one made)
+            object.__setattr__(self, "breakdown", breakdown)
+            object.__setattr__(self, "notes", notes)
+            found.pop("_make", None)
+        return found[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (pickled and copied made: the maker is a closure)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def allocated_delta(self) -> int:
@@ -245,6 +212,23 @@ class MemoryReport(Result):
                 "timeline=True (%%gpumem --timeline, or memlab.track(timeline=True))."
             )
         return self.timeline
+
+
+class _MadeLater:
+    """A report's field that `MemoryReport.made_later` leaves to be made when first read. A
+    descriptor without ``__set__``: the value a report holds is found before it, so it is only
+    asked where the report has none yet."""
+
+    def __init__(self, name: str, default: Any) -> None:
+        self.name, self.default = name, default
+
+    def __get__(self, report: MemoryReport | None, owner: Any = None) -> Any:
+        return self.default if report is None else report._made(self.name)
+
+
+# (set after the class is made: the dataclass keeps its own defaults for __init__)
+MemoryReport.breakdown = _MadeLater("breakdown", None)  # type: ignore[assignment]
+MemoryReport.notes = _MadeLater("notes", ())  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
