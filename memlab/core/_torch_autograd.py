@@ -1,14 +1,16 @@
 """The seam, continued: what autograd holds, read and wrapped where PyTorch offers no public way.
 
 Like ``_torch.py``, one of the few places private PyTorch names are used (tests/test_layers.py
-lists them). Two needs: reading what a graph saved without running a program's unpack hooks
-(`saved_value`), and reaching the function activation checkpointing recomputes in backward,
-however the program imported ``checkpoint`` (`checkpoint_patches`).
+lists them). Three needs: reading what a graph saved without running a program's unpack hooks
+(`saved_value`), reaching the function activation checkpointing recomputes in backward,
+however the program imported ``checkpoint`` (`checkpoint_patches`), and reading what a
+non-reentrant checkpoint keeps for that recomputation (`checkpoint_frame` and after).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,3 +94,54 @@ def raw_saved_readable() -> bool:
     """Whether this PyTorch reads what a graph saved without running its hooks (``SavedTensor``
     has ``unpack_hook``: 2.11 on; not 2.4.1). Checked 2.4.1, 2.11, 2.13."""
     return hasattr(torch._C._autograd.SavedTensor, "unpack_hook")
+
+
+def checkpoint_frame(hook: Any) -> Any:
+    """The frame of the non-reentrant activation checkpoint whose unpack hook ``hook`` is (the
+    hook closes over it), or None for another hook: told by the frame's own attributes
+    (``saved_args``, ``recompute_fn``), not its private class name. Checked 2.11, 2.13."""
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if hasattr(value, "saved_args") and callable(getattr(value, "recompute_fn", None)):
+            return value
+    return None
+
+
+def checkpoint_inputs(frame: Any) -> Iterator[tuple[Any, Any]]:
+    """What checkpoint ``frame`` saved for its recomputation, in order, never running an unpack
+    hook: (tensor, None) for a tensor input; (None, unpack hook) for one an enclosing
+    checkpoint's hook packed (checkpoints nested); (object, None) for an input that is no
+    tensor (``saved_args`` keeps it as it is). Checked 2.11, 2.13."""
+    for arg in getattr(frame, "saved_args", ()):
+        if hasattr(arg, "unpack_hook") and hasattr(arg, "data"):
+            data = arg.data
+            if isinstance(data, torch.Tensor):
+                yield data, None
+            elif arg.unpack_hook is not None:
+                yield None, arg.unpack_hook
+        else:
+            yield arg, None
+
+
+def checkpoint_keywords(frame: Any) -> list[Any]:
+    """What checkpoint ``frame`` keeps by reference for its recomputation, not saved: the
+    keyword arguments its ``recompute_fn`` closes over, and the arguments a
+    ``functools.partial`` given as the function binds (Hugging Face's layers pass theirs so);
+    not the function itself nor its saved RNG state. Checked 2.11, 2.13."""
+    recompute_fn = getattr(frame, "recompute_fn", None)
+    cells = getattr(recompute_fn, "__closure__", None) or ()
+    names = getattr(getattr(recompute_fn, "__code__", None), "co_freevars", ())
+    found: list[Any] = []
+    for name, cell in zip(names, cells, strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if name == "kwargs" and isinstance(value, dict):
+            found.append(value)
+        elif name == "fn" and isinstance(value, functools.partial):
+            found.extend((value.args, value.keywords))
+    return found

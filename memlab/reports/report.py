@@ -115,6 +115,8 @@ class MemoryReport(Result):
             object.__setattr__(self, "breakdown", breakdown)
             object.__setattr__(self, "notes", notes)
             found.pop("_make", None)
+        if name not in found:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return found[name]
 
     def __getstate__(self) -> dict[str, Any]:
