@@ -188,3 +188,30 @@ def test_numpy_integers_are_whole_numbers_and_bools_are_not() -> None:
 def test_estimate_s_switches_take_true_or_false_only(switch: str) -> None:
     with pytest.raises(WhatIfError, match=f"{switch} must be True or False, not 'no'"):
         estimate(_net, lambda n: torch.randn(n, 8), **{switch: "no"})
+
+
+def test_global_hooks_a_step_fn_registers_are_removed_and_the_users_stay() -> None:
+    from torch.nn.modules import module as mm
+    from torch.optim import optimizer as om
+
+    called: list[str] = []
+    users = mm.register_module_forward_hook(lambda *a: called.append("user's"))
+    dicts = (mm._global_forward_hooks, mm._global_forward_pre_hooks, om._global_optimizer_pre_hooks)
+    try:
+        before = [dict(d) for d in dicts]
+
+        def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            mm.register_module_forward_hook(lambda *a: None, always_call=True)
+            mm.register_module_forward_pre_hook(lambda *a: called.append("step_fn's"))
+            om.register_optimizer_step_pre_hook(lambda *a: called.append("step_fn's"))
+            return m(x).square().mean()
+
+        model = _net()
+        run(lambda: model, lambda n: torch.randn(n, 8), step_fn=step, device="cpu")
+        assert [dict(d) for d in dicts] == before
+        assert set(mm._global_forward_hooks_always_called) <= set(mm._global_forward_hooks)
+        called.clear()
+        model(torch.randn(2, 8))
+        assert called and set(called) == {"user's"}  # the user's own hook, called still
+    finally:
+        users.remove()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlab.core._torch_record import global_hook_dicts
 from memlab.step.leftovers import Leftovers, left_behind
 
 
@@ -27,6 +28,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
     swapped-out storage stays alive until it is put back, as the user's model holds it).
     Yields the models of earlier runs still alive beside it (`memlab.step.leftovers`)."""
     shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags, bindings, hooks
+    globally = [(d, set(d)) for d in global_hook_dicts()]  # all modules' and optimizers' hooks
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
         for m in model.modules()
@@ -49,7 +51,24 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
             functools.partial(_regrad, grads),
             *(functools.partial(_unhook, t, name, was) for t, name, was in hooked),
             *(functools.partial(_reshape, m, shape) for m, shape in shapes),
+            functools.partial(_unhook_globally, globally),
         )
+
+
+def _unhook_globally(before: list[tuple[dict[Any, Any], set[Any]]]) -> None:
+    """The global module and optimizer hooks the run registered (a step_fn's
+    ``register_module_forward_hook``: each run would add one more, called on every module of
+    the session), removed; the program's own from before the run, and memlab's (its regions
+    take theirs off themselves), stay."""
+    ours = {k for d, _ in before for k, hook in d.items() if _memlabs(hook)}
+    for d, keys in before:  # (a flag beside a hook, always_called, goes or stays with it)
+        for key in [k for k in d if k not in keys and k not in ours]:
+            d.pop(key, None)
+
+
+def _memlabs(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    return isinstance(module, str) and module.split(".")[0] == "memlab"
 
 
 def _each(*steps: Callable[[], None]) -> None:
