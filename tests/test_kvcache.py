@@ -120,6 +120,9 @@ def test_sliding_window_layers_keep_at_most_the_window(cache: str) -> None:
     assert report.breakdown.at_end[Category.KV_CACHE] == want
     note = next(n for n in report.notes if n.startswith("KV cache"))
     assert f"2 of 4 layers keep a sliding window of 8 tokens: {want:,} B by the formula" in note
+    # no bytes per token from the total: the windows bound it (the formula's is a token's)
+    assert "bounded by sliding windows" in note and " B per token" not in note
+    assert f"= {per_token_layer(model) * 4:,} B a token)" in note  # (4 layers)
 
 
 def test_cache_settings_say_what_to_pass() -> None:
