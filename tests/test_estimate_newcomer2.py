@@ -140,3 +140,59 @@ def test_gpu_takes_a_float_that_is_a_whole_number_of_bytes() -> None:
     for bad in (size + 0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=r"not a whole number of bytes.*'16\.5GiB'"):
             gpu(bad)
+
+
+def _prompt(n: int, tokens: int = 20) -> torch.Tensor:
+    return torch.randint(0, 100, (n, tokens))
+
+
+@pytest.mark.parametrize("how", ["estimate", "cpu"])
+def test_a_generation_past_a_learned_position_table_is_refused_alike(how: str) -> None:
+    # 20 tokens of prompt and 20 new ones feed 39 positions to a table of 32: the CPU's lookup
+    # fails (explained); on meta nothing fails, and the estimate refuses it before it runs
+    kw: dict[str, Any] = {"mode": "generate", "new_tokens": 20, "batch_size": 2}
+    with pytest.raises(WhatIfError) as e:
+        if how == "estimate":
+            estimate(lambda: _gpt2(32).eval(), _prompt, gpu="T4", **kw)
+        else:
+            whatif.run(lambda: _gpt2(32).eval(), _prompt, **kw)
+    said = str(e.value)
+    assert "feeds the model 39 tokens" in said and "past the 32 positions" in said
+    assert "new_tokens ≤ 13" in said
+    within = estimate(lambda: _gpt2(32).eval(), _prompt, gpu="T4", **{**kw, "new_tokens": 13})
+    assert within.fits()
+
+
+def test_a_rope_model_generates_past_max_position_embeddings_in_an_estimate() -> None:
+    kw: dict[str, Any] = {"mode": "generate", "new_tokens": 20, "batch_size": 2}
+    assert whatif.run(lambda: _llama(32).eval(), _prompt, **kw).error is None
+    assert estimate(lambda: _llama(32).eval(), _prompt, gpu="T4", **kw).fits()
+
+
+def test_whispers_position_tables_are_found() -> None:
+    from memlab.step.tables import position_tables
+
+    config = transformers.WhisperConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=24,
+        vocab_size=100,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    found = {
+        (field, n)
+        for _, field, n in position_tables(
+            transformers.WhisperForConditionalGeneration(config)
+        ).values()
+    }
+    assert found == {("max_source_positions", 16), ("max_target_positions", 24)}

@@ -14,6 +14,7 @@ from memlab.core.categories import Category
 from memlab.core.frames import message_of
 from memlab.step.config import RunConfig, WhatIfError
 from memlab.step.kvcache import cache_tensors
+from memlab.step.tables import position_tables
 
 
 def check_prompt(kwargs: Mapping[str, Any]) -> None:
@@ -57,19 +58,37 @@ def positions(model: Any) -> int | None:
 def within_positions(model: Any, config: RunConfig, prompt: int) -> Iterator[None]:
     """An IndexError raised while feeding ``prompt`` + new_tokens - 1 tokens (the last new
     token is never fed back) past the model's position table, explained with what to pass;
-    any other error as it is."""
+    any other error as it is. On ``meta`` (an estimate), where a lookup past a table reads
+    nothing and fails nowhere, a model with a learned position table of that length is refused
+    before it runs, as the GPU would fail it (a model with computed positions, RoPE, runs)."""
+    limit, fed = positions(model), prompt + config.new_tokens - 1
+    if limit is not None and fed > limit and _on_meta(model) and _learned(model, limit):
+        raise WhatIfError(_past(model, config, prompt, fed, limit, "a lookup past its rows"))
     try:
         yield
     except IndexError as e:
-        limit, fed = positions(model), prompt + config.new_tokens - 1
         if limit is None or fed <= limit:
             raise
-        raise WhatIfError(
-            f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) feeds the "
-            f"model {fed:,} tokens (the last new token is not fed back), past the {limit:,} "
-            f"positions {type(model).__name__}'s config allows ({message_of(e)}): pass "
-            f"new_tokens ≤ {max(limit - prompt + 1, 1):,}, or a shorter prompt."
-        ) from e
+        raise WhatIfError(_past(model, config, prompt, fed, limit, message_of(e))) from e
+
+
+def _learned(model: Any, limit: int) -> bool:
+    """Whether ``model`` has a learned position table of ``limit`` rows (not RoPE's)."""
+    return any(n == limit for _, _, n in position_tables(model).values())
+
+
+def _on_meta(model: Any) -> bool:
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return p is not None and p.is_meta
+
+
+def _past(model: Any, config: RunConfig, prompt: int, fed: int, limit: int, why: str) -> str:
+    return (
+        f"new_tokens={config.new_tokens:,} with a prompt of {prompt:,} token(s) feeds the "
+        f"model {fed:,} tokens (the last new token is not fed back), past the {limit:,} "
+        f"positions {type(model).__name__}'s config allows ({why}): pass "
+        f"new_tokens ≤ {max(limit - prompt + 1, 1):,}, or a shorter prompt."
+    )
 
 
 def cache_of(out: Any, what: str = "the model") -> Any:
