@@ -13,6 +13,7 @@
 #   magic, breakdown, parts
 #              bench's %%gpumem and breakdown rows alone, and where a breakdown's time goes
 #              -> benchmarks/results/{magic,breakdown,cuda-log-parts}-gpu.md
+#   magicparts where `%%gpumem -q -b`'s time goes in a kernel -> benchmarks/results/magic-parts-gpu.md
 #   notebooks  every notebook, executed -> notebooks-gpu/*.ipynb
 #
 # Everything the stages write goes to $OUT (default /tmp/gpu-out) as one results.tar.gz, laid
@@ -96,10 +97,13 @@ for s in "$@"; do
     parts)
       stage bench-parts 120 $py benchmarks/bench_cuda_log_parts.py --rounds 30 --dump "$results/cuda-log-magic.json.gz" \
         --out "$results/benchmarks/results/cuda-log-parts-gpu.md" ;;
+    magicparts)
+      stage bench-magic-parts 120 $py benchmarks/bench_magic_parts.py --repeat 40 \
+        --out "$results/benchmarks/results/magic-parts-gpu.md" ;;
     notebooks)
       stage notebooks 560 $py scripts/run_notebooks.py --jobs 4 --timeout 300 \
         --out "$results/notebooks-gpu" ;;
-    *) echo "unknown stage $s: cuda, tests, traces, validate, bench, magic, breakdown, parts or notebooks" >&2 ;;
+    *) echo "unknown stage $s: cuda, tests, traces, validate, bench, magic, breakdown, parts, magicparts or notebooks" >&2 ;;
   esac
 done
 
