@@ -16,6 +16,7 @@ from memlab.graphs.capture import GraphArgumentError, NoGraphError, graph, graph
 from memlab.graphs.model import Graph
 from memlab.graphs.viz import make_dot
 from memlab.region import track
+from memlab.region.marking import mark
 from memlab.reports.report import Breakdown, MemoryReport, Reports, Timeline
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "load_ipython_extension",
     "load_snapshot",
     "make_dot",
+    "mark",
     "track",
     "unload_ipython_extension",
 ]

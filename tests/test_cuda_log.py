@@ -147,3 +147,14 @@ def test_a_backward_in_the_cell_after_its_forward_frees_activations() -> None:
     # what the earlier cell's graph saved is counted an activation until backward frees it
     assert b.highest[Category.ACTIVATION] >= saved
     assert b.at_end.get(Category.ACTIVATION, 0) < saved // 10
+
+
+def test_a_cache_of_ones_own_is_named_by_mark() -> None:
+    # keys and values a program's own loop keeps in a list: named in the allocator's log
+    with memlab.track("cuda", breakdown=True) as t:
+        cache = [torch.randn(4, 2, 64, 32, device="cuda") for _ in range(4)]
+        for x in cache:
+            memlab.mark(x, "kv_cache")
+    b = t.report.breakdown
+    assert b is not None
+    assert b.at_end[Category.KV_CACHE] == sum(x.untyped_storage().nbytes() for x in cache)

@@ -1,15 +1,20 @@
 """Regions open at once on different threads (the what-if panel's runs beside a cell). The ledger
 and the CUDA allocator's counters are the process's: what another thread's region allocates
-shows in this region's figures too. Each region's report says when that happened."""
+shows in this region's figures too. Each region's report says when that happened. The regions
+open on each thread are kept in order too: `innermost` is the one `memlab.mark` names into."""
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
+from typing import Any
 
 _LOCK = threading.Lock()
 #: id(region) -> (its thread, whether a region of another thread was open at once).
 _OPEN: dict[int, tuple[int, bool]] = {}
+#: The regions open on this thread, innermost last (weakly: a region dropped open is gone).
+_MINE = threading.local()
 
 NOTE = (
     "memlab measured another thread's work at the same time (the what-if panel, say): the "
@@ -26,12 +31,31 @@ def opened(region: object) -> None:
         for key in others:
             _OPEN[key] = (_OPEN[key][0], True)
         _OPEN[id(region)] = (me, bool(others))
+    _stack().append(weakref.ref(region))
+
+
+def _stack() -> list[weakref.ref[Any]]:
+    stack: list[weakref.ref[Any]] | None = getattr(_MINE, "regions", None)
+    if stack is None:
+        stack = _MINE.regions = []
+    return stack
+
+
+def innermost() -> Any:
+    """The innermost region open on this thread, or None."""
+    for ref in reversed(_stack()):
+        region = ref()
+        if region is not None and getattr(region, "_state", None) == "open":
+            return region
+    return None
 
 
 def notes(region: object) -> list[str]:
     """The note for ``region``, if another thread's region overlapped it (closed: forgotten)."""
     with _LOCK:
         entry = _OPEN.pop(id(region), None)
+    stack = _stack()  # (it, and any region dropped open before it)
+    stack[:] = [r for r in stack if (found := r()) is not None and found is not region]
     return [NOTE] if entry is not None and entry[1] else []
 
 
