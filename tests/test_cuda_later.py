@@ -123,7 +123,7 @@ def test_two_threads_reading_at_once_take_one_replay(monkeypatch: Any) -> None:
     go.set()
     for t in threads:
         t.join(10)
-    assert calls == [1] and len(seen) == 2 and seen[0].at_peak == seen[1].at_peak
+    assert calls == [1] and len(seen) == 2 and seen[0] is seen[1] is r.breakdown
 
 
 def later_of(n: int) -> cuda_later.Later:
@@ -155,7 +155,48 @@ def test_the_logs_waiting_are_bounded_and_a_dropped_one_lets_its_log_go(
     kept.append(cuda_later.defer(later_of(4)))  # 12 events waiting: the oldest made now
     assert [k.made for k in kept] == [True, False, False] and cuda_later.waiting() == 2
     big = cuda_later.defer(later_of(11))  # larger than what may wait: made at once
+    # what a log holds besides its events counts too: the blocks alive at its end, its names
+    many = cuda_later.Later(
+        [],
+        0,
+        [(512 * i, 512) for i in range(6)],
+        [(0, None, Category.PARAMETER)] * 5,
+        args=[],
+        saved_before=[],
+        released=set(),
+        unsaved=[],
+        complete=True,
+        limit=10,
+    )
+    assert many.events == 11 and cuda_later.defer(many).made
     assert big.made
     tally, notes = kept[0]()
     assert tally is not None and tally.peak == tally.at_peak[Category.OTHER] == 4 * 512
     assert notes == ()
+
+
+def test_a_ctrl_c_in_an_older_replay_at_a_close_leaves_this_one_whole(monkeypatch: Any) -> None:
+    # an older report's log replayed at this region's close (too many entries waiting) is
+    # interrupted: the close is tried again, and this region's replay is the same, whole one
+    monkeypatch.setattr(cuda_later, "PENDING_EVENTS", 10)
+    monkeypatch.setattr(cuda_later, "_pending", type(cuda_later._pending)())
+    older = cuda_later.defer(later_of(8))
+    calls: list[int] = []
+
+    def interrupted_once(events: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(events))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return settle(events, *args, **kwargs)
+
+    monkeypatch.setattr(cuda_later, "settle", interrupted_once)
+    log, _ = opened(monkeypatch, list(EVENTS), [(200, 512)])
+    log.names.named.append((200, None, Category.PARAMETER))
+    log.stop()
+    with pytest.raises(KeyboardInterrupt):
+        log.tally(True)
+    assert calls == [8] and not older.made and cuda_later.waiting() == 2  # both still wait
+    made, _ = log.tally(True).later()  # (the close again)
+    assert made is not None and calls[1] == len(EVENTS)
+    assert made.at_peak[Category.TEMPORARY] == 1024 and made.at_end[Category.PARAMETER] == 512
+    assert older()[0] is not None  # (the interrupted one, made at its read)

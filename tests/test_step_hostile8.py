@@ -215,3 +215,35 @@ def test_global_hooks_a_step_fn_registers_are_removed_and_the_users_stay() -> No
         assert called and set(called) == {"user's"}  # the user's own hook, called still
     finally:
         users.remove()
+
+
+def test_a_global_hook_another_thread_registers_during_a_run_stays() -> None:
+    # the panel's run on a thread of its own while the user's cell registers a global hook
+    import threading
+
+    from torch.nn.modules import module as mm
+
+    inside, registered = threading.Event(), threading.Event()
+    handles: list[Any] = []
+    torchs = mm.register_module_forward_hook
+
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        registered.wait(30)
+        return m(x).square().mean()
+
+    def register_meanwhile() -> None:
+        inside.wait(30)
+        handles.append(mm.register_module_forward_hook(lambda *a: None))
+        registered.set()
+
+    other = threading.Thread(target=register_meanwhile)
+    other.start()
+    try:
+        run(_net, lambda n: torch.randn(n, 8), step_fn=step, device="cpu", warmup=False)
+        other.join(30)
+        assert handles and handles[0].id in mm._global_forward_hooks  # the user's: kept
+    finally:
+        for h in handles:
+            h.remove()
+    assert mm.register_module_forward_hook is torchs  # (memlab's recording one taken out)

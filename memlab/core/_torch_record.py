@@ -267,34 +267,3 @@ def saved_hooks_module() -> Any:
     """``torch._C._autograd``, whose push and pop of saved-tensor hooks memlab follows where
     the pair in force cannot be read (`memlab.core.transforms`). Checked 2.4.1, 2.11, 2.13."""
     return torch._C._autograd
-
-
-#: The dicts every global module and optimizer hook is registered in (by its handle's id).
-_GLOBAL_HOOKS = {
-    "torch.nn.modules.module": (
-        "_global_forward_pre_hooks",
-        "_global_forward_hooks",
-        "_global_forward_hooks_always_called",
-        "_global_forward_hooks_with_kwargs",
-        "_global_backward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_module_registration_hooks",
-        "_global_parameter_registration_hooks",
-        "_global_buffer_registration_hooks",
-    ),
-    "torch.optim.optimizer": ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"),
-}
-
-
-def global_hook_dicts() -> list[dict[Any, Any]]:
-    """The dicts holding every global hook registered on all modules (forward, backward and
-    registration hooks) and on all optimizers (step pre and post hooks), each under its
-    handle's id; those this PyTorch lacks left out. Checked 2.4.1, 2.11, 2.13."""
-    found = []
-    for module, names in _GLOBAL_HOOKS.items():
-        owner = sys.modules.get(module)
-        for name in names:
-            d = getattr(owner, name, None)
-            if isinstance(d, dict):
-                found.append(d)
-    return found

@@ -9,9 +9,10 @@ the end, the addresses the hooks named: nothing of the user's), and replays it o
 use, from whichever thread asks first; the result is the same to the byte as a replay at the
 end. A Ctrl-C during the replay leaves it to be done again at the next read.
 
-What waits is bounded: logs of more than `PENDING_EVENTS` events in all are not kept waiting
-(the oldest are replayed when a new one comes), so a program that keeps many reports never holds
-many logs; a report dropped unread lets its log go with it.
+What waits is bounded: logs of more than `PENDING_EVENTS` entries in all (events, blocks alive
+at the end, names) are not kept waiting (the oldest are replayed when a new one comes), so a
+program that keeps many reports never holds many logs; a report dropped unread lets its log go
+with it. The replay's notes come after the region's other notes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from memlab.core.categories import Category
 from memlab.core.cuda_settle import settle
 from memlab.core.recorder import Tally
 
-#: Events of the logs waiting for their replay, in all (a few hundred bytes each, as Python
-#: dicts): past it the oldest are replayed, and a larger log is replayed at once.
+#: Entries of the logs waiting for their replay, in all (events, blocks, names: a few hundred
+#: bytes each at most): past it the oldest are replayed, and a larger log is replayed at once.
 PENDING_EVENTS = 100_000
 #: The categories a breakdown gives figures for (iterating an Enum is slow: once, here).
 _NAMED = tuple(c for c in Category if c is not Category.UNATTRIBUTED)
@@ -54,7 +55,8 @@ class Later:
         complete: bool,
         limit: int,
     ) -> None:
-        self.events = len(events)
+        #: What it holds, in entries (events, blocks, names): what `PENDING_EVENTS` bounds.
+        self.events = len(events) + len(blocks) + len(named) + len(args) + len(unsaved)
         self._inputs: tuple[Any, ...] | None = (
             events,
             before,
@@ -91,21 +93,17 @@ def defer(later: Later) -> Later:
     if later.events > PENDING_EVENTS:
         later()
         return later
-    due: list[Later] = []
     with _pending_lock:
         _pending.append(weakref.ref(later))
-        waiting = []
-        for ref in _pending:
-            found = ref()
-            if found is not None and not found.made:
-                waiting.append(found)
-        total = sum(w.events for w in waiting)
-        while total > PENDING_EVENTS and waiting:
-            oldest = waiting.pop(0)
-            due.append(oldest)
-            total -= oldest.events
-        _pending.clear()
+        waiting = [w for ref in _pending if (w := ref()) is not None and not w.made]
+        _pending.clear()  # (the due ones stay listed until made: a Ctrl-C leaves them waiting)
         _pending.extend(weakref.ref(w) for w in waiting)
+        total, due = sum(w.events for w in waiting), []
+        for w in waiting:
+            if total <= PENDING_EVENTS:
+                break
+            due.append(w)
+            total -= w.events
     for d in due:  # (outside the lock: a replay may take a while)
         d()
     return later

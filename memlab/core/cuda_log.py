@@ -81,6 +81,7 @@ class CudaLog:
         self._saved_before: list[int] = []
         self._outputs: list[weakref.ref[torch.Tensor]] = []
         self._released: set[int] = set()
+        self._later: Later | None = None  # (the replay, once `tally` made it)
 
     # -- the region -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -235,8 +236,10 @@ class CudaLog:
             if not any(n.startswith("no breakdown") for n in self.notes):
                 self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
             return _no_breakdown(before)
+        if self._later is not None:  # (a close tried again after a Ctrl-C: the same replay)
+            return Tally(before, before, before, None, None, None, None, None, None, self._later)
         names = self.names
-        later = Later(
+        self._later = later = Later(
             self._events,
             before,
             self._blocks,
@@ -250,7 +253,8 @@ class CudaLog:
         )
         names.clear()  # (its lists stay the replay's: clearing makes new ones)
         self._events, self._blocks = [], []  # (the log is the replay's alone now)
-        return Tally(before, before, before, None, None, None, None, None, None, defer(later))
+        defer(later)  # (older logs may be replayed here: a Ctrl-C in one leaves this one whole)
+        return Tally(before, before, before, None, None, None, None, None, None, later)
 
 
 def for_region(

@@ -3,6 +3,7 @@ tensor accounting's tally (categories, timeline)."""
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,9 +94,16 @@ def _later(
     end: int,
     notes: tuple[str, ...],
 ) -> Callable[[], tuple[Breakdown | None, tuple[str, ...]]]:
+    lock = threading.Lock()
+    done: list[tuple[Breakdown | None, tuple[str, ...]]] = []
+
     def made() -> tuple[Breakdown | None, tuple[str, ...]]:
-        tally, said = make()
-        return (_breakdown(tally, peak, end) if tally is not None else None), (*notes, *said)
+        with lock:  # (one Breakdown for every thread that reads it)
+            if not done:
+                tally, said = make()
+                b = _breakdown(tally, peak, end) if tally is not None else None
+                done.append((b, (*notes, *said)))
+            return done[0]
 
     return made
 

@@ -2,7 +2,9 @@
 tell by itself: a key/value cache your own generation loop keeps in a list (memlab names Hugging
 Face's caches, and the caches of its own generate mode), an input made inside the cell, a
 buffer kept outside any module. Under ``%%gpumem -b`` there is no region object to call
-``mark`` on; this finds the innermost one."""
+``mark`` on: this names the tensor in every region open on this thread (as memlab names a
+Hugging Face cache), and does nothing where none is open, so that the same loop runs
+unmeasured too (a what-if run's warm-up, a cell without ``%%gpumem``)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from typing import Any
 import torch
 
 from memlab.core.categories import Category
-from memlab.core.frames import misuse, users_traceback
-from memlab.region.overlap import innermost
+from memlab.core.frames import users_traceback
+from memlab.region.overlap import open_here
 
 #: The roles a program may give (the others are derived when the report is built).
 ROLES = tuple(
@@ -23,8 +25,9 @@ ROLES = tuple(
 @users_traceback()
 def mark(tensor: Any, role: Category | str) -> None:
     """Names ``tensor``'s memory ``role`` ("kv_cache", "input", "activation", "parameter",
-    "buffer", "gradient", "optimizer_state", ...) in the innermost region open on this thread:
-    a ``%%gpumem -b`` cell's, or a ``with memlab.track(breakdown=True)`` block's.
+    "buffer", "gradient", "optimizer_state", ...) in each region open on this thread (a
+    ``%%gpumem -b`` cell's, a ``with memlab.track(breakdown=True)`` block's); outside one,
+    nothing.
 
     >>> with memlab.track(breakdown=True) as t:  # doctest: +SKIP
     ...     cache = [torch.cat([k, new_k], dim=2) for k, new_k in ...]
@@ -43,10 +46,5 @@ def mark(tensor: Any, role: Category | str) -> None:
         category = None
     if category not in ROLES:
         raise ValueError(f"memlab.mark: role={role!r} is not one of {allowed}.")
-    region = innermost()
-    if region is None:
-        raise misuse(
-            "memlab.mark() names a tensor inside a tracked region, and none is open on this "
-            "thread: call it inside a %%gpumem cell or a `with memlab.track(...)` block."
-        )
-    region.mark(tensor, category)
+    for region in open_here():
+        region.mark(tensor, category)

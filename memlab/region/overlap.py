@@ -1,7 +1,7 @@
 """Regions open at once on different threads (the what-if panel's runs beside a cell). The ledger
 and the CUDA allocator's counters are the process's: what another thread's region allocates
 shows in this region's figures too. Each region's report says when that happened. The regions
-open on each thread are kept in order too: `innermost` is the one `memlab.mark` names into."""
+open on each thread are kept in order too: `memlab.mark` names into each (`open_here`)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,10 @@ def _stack() -> list[weakref.ref[Any]]:
     return stack
 
 
-def innermost() -> Any:
-    """The innermost region open on this thread, or None."""
-    for ref in reversed(_stack()):
-        region = ref()
-        if region is not None and getattr(region, "_state", None) == "open":
-            return region
-    return None
+def open_here() -> list[Any]:
+    """The regions open on this thread, the innermost first."""
+    found = (ref() for ref in reversed(_stack()))
+    return [r for r in found if r is not None and getattr(r, "_state", None) == "open"]
 
 
 def notes(region: object) -> list[str]:

@@ -217,11 +217,12 @@ def cache_note(
             "recurrent or linear-attention layer's state, as Mamba's convolution and SSM "
             "states, not keys and values a token)"
         )
-    else:  # (bounded by sliding windows, its bytes over all the tokens say nothing a token)
+    else:  # (once a sliding window is full, the bytes over all the tokens say nothing a token)
+        bounded = bool(slid) and tokens > min(slid)
         text = (
             f"KV cache{' (' + kind.strip() + ')' if kind else ''}: {held:,} B for {tokens} tokens "
             f"x {batch} sequences, "
-            + ("bounded by sliding windows" if slid else f"{per_token:,} B per token")
+            + ("bounded by sliding windows" if bounded else f"{per_token:,} B per token")
         )
         if state:
             text += f", and {state:,} B of state that does not grow with tokens (recurrent or "
@@ -239,7 +240,7 @@ def cache_note(
     formula = kept * kv_heads * head_dim * (k + v)
     counted = f"{layers} layers" if kept == layers else f"{kept} of {layers} layers"
     text += f" (formula: {counted} x {kv_heads} KV heads x {head_dim} x {sizes} = {formula:,} B"
-    text += " a token)" if slid else ")"
+    text += " a token)" if slid and tokens > min(slid) else ")"
     if across:
         made = _storage_bytes(across.values())
         text += f"; cross-attention (the encoder's positions, made once): {made:,} B more"

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from memlab.core._torch_record import global_hook_dicts
 from memlab.step.leftovers import Leftovers, left_behind
 
 
@@ -28,7 +29,6 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
     swapped-out storage stays alive until it is put back, as the user's model holds it).
     Yields the models of earlier runs still alive beside it (`memlab.step.leftovers`)."""
     shapes = [(m, _shape(m)) for m in model.modules()]  # train/eval flags, bindings, hooks
-    globally = [(d, set(d)) for d in global_hook_dicts()]  # all modules' and optimizers' hooks
     held = [
         (m, name, t, isinstance(t, nn.Parameter))
         for m in model.modules()
@@ -43,7 +43,8 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
     with torch.no_grad():  # a tied weight once; meta tensors hold no values
         values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
     try:
-        yield left_behind(model)
+        with own_global_hooks():  # (a step_fn's register_module_forward_hook, say: removed)
+            yield left_behind(model)
     finally:  # each part, even if one before it failed: the values first, as the user sees them
         _each(
             functools.partial(_rebind, storages),
@@ -51,19 +52,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
             functools.partial(_regrad, grads),
             *(functools.partial(_unhook, t, name, was) for t, name, was in hooked),
             *(functools.partial(_reshape, m, shape) for m, shape in shapes),
-            functools.partial(_unhook_globally, globally),
         )
-
-
-def _unhook_globally(before: list[tuple[dict[Any, Any], set[Any]]]) -> None:
-    """The global module and optimizer hooks the run registered (a step_fn's
-    ``register_module_forward_hook``: each run would add one more, called on every module of
-    the session), removed; the program's own from before the run, and memlab's (its regions
-    take theirs off themselves), stay."""
-    ours = {k for d, _ in before for k, hook in d.items() if _memlabs(hook)}
-    for d, keys in before:  # (a flag beside a hook, always_called, goes or stays with it)
-        for key in [k for k in d if k not in keys and k not in ours]:
-            d.pop(key, None)
 
 
 def _memlabs(hook: Any) -> bool:
@@ -177,3 +166,84 @@ def _reshape(m: nn.Module, shape: list[tuple[dict[str, Any], dict[str, Any]]]) -
     buffers, names = m._buffers, getattr(m, "_non_persistent_buffers_set", None)
     if isinstance(buffers, dict) and isinstance(names, set):  # (not a TorchScript module's)
         names &= set(buffers)
+
+
+#: The functions that register a hook on every module or every optimizer, by module.
+_REGISTERS = {
+    "torch.nn.modules.module": (
+        "register_module_forward_pre_hook",
+        "register_module_forward_hook",
+        "register_module_backward_hook",
+        "register_module_full_backward_pre_hook",
+        "register_module_full_backward_hook",
+        "register_module_buffer_registration_hook",
+        "register_module_module_registration_hook",
+        "register_module_parameter_registration_hook",
+    ),
+    "torch.optim.optimizer": (
+        "register_optimizer_step_pre_hook",
+        "register_optimizer_step_post_hook",
+    ),
+}
+_lock = threading.Lock()
+_users = 0
+_installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, memlab's)
+_mine = threading.local()  # this thread's list of handles, while a block of it runs
+
+
+@contextlib.contextmanager
+def own_global_hooks() -> Iterator[None]:
+    """Within the block, the global module and optimizer hooks this thread registers (through
+    torch's ``register_module_*_hook`` and ``register_optimizer_step_*_hook``) are taken out at
+    its end; those other threads register meanwhile (the user's cell beside the panel's run),
+    and memlab's own, stay. A program that kept a reference to a register function from before
+    the block registers through it unseen, and its hook stays too."""
+    global _users
+    with _lock:
+        if _users == 0:
+            _install()
+        _users += 1
+    outer = getattr(_mine, "handles", None)
+    handles: list[Any] = []
+    _mine.handles = handles
+    try:
+        yield
+    finally:
+        _mine.handles = outer
+        try:
+            _each(*(h.remove for h in handles))
+        finally:
+            with _lock:
+                _users -= 1
+                if _users == 0:
+                    _uninstall()
+
+
+def _install() -> None:
+    for module_name, names in _REGISTERS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            torchs = getattr(module, name, None)
+            if callable(torchs):
+                ours = _recording(torchs)
+                setattr(module, name, ours)
+                _installed.append((module, name, torchs, ours))
+
+
+def _uninstall() -> None:
+    while _installed:
+        module, name, torchs, ours = _installed.pop()
+        if getattr(module, name, None) is ours:  # (replaced by the program since: left as it is)
+            setattr(module, name, torchs)
+
+
+def _recording(register: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(register)
+    def recorded(hook: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = register(hook, *args, **kwargs)
+        handles = getattr(_mine, "handles", None)
+        if handles is not None and not _memlabs(hook):
+            handles.append(handle)
+        return handle
+
+    return recorded
