@@ -95,6 +95,32 @@ def test_the_program_s_saved_tensor_hooks_stay_in_force() -> None:
     del out
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_pair_memlab_left_in_force_is_taken_off_not_taken_for_the_program_s(
+    monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    """memlab's pair left in force by a region that closed (inside backward: the autograd
+    engine puts back the thread's state it saved, the pair with it; or on another thread):
+    the next region takes it off and tags what is saved as any region does."""
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    with memlab.track("cpu", breakdown=True):
+        pair = _torch.saved_tensors_hooks_on()
+    if pair is None:
+        pytest.skip("this PyTorch cannot say which saved-tensor hooks are in force (2.4)")
+    _torch.push_saved_tensors_hooks(*pair)  # (as the engine leaves it)
+    lin = torch.nn.Linear(64, 64)
+    try:
+        with memlab.track("cpu", breakdown=True) as t:
+            out = lin(torch.randn(32, 64, requires_grad=True)).relu().sum()
+        assert _torch.saved_tensors_hooks_on() is None
+    finally:
+        _torch.remove_saved_tensors_hooks(pair[0])  # (where it failed: no pair for the next)
+    assert not any("saved_tensors_hooks" in n for n in t.report.notes), t.report.notes
+    breakdown = t.report.breakdown
+    assert breakdown is not None and breakdown.at_end[Category.ACTIVATION] >= 32 * 64 * 4
+    del out
+
+
 def test_saved_tensor_hooks_entered_in_the_region_and_left_on_stay_on() -> None:
     lin = torch.nn.Linear(8, 8)
     theirs = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)

@@ -141,7 +141,7 @@ class Accountant(Roles):
             self._stack.callback(handle.remove)
         self._stack.callback(quiet_compile_hooks())
         self._stack.callback(self.kv_caches_in())
-        on = _torch.saved_tensors_hooks_on()
+        on = transforms.in_force()  # (memlab's stale pairs taken off)
         if on is not None and (on[0] is native_pack() or is_log_pack(on[0])):
             # a native region or a CUDA log is open around this one: its pack makes the aliases
             self._alias = on[0]

@@ -138,7 +138,7 @@ class CudaLog:
         naming = kv_caches.naming(self.names.mark)
         naming.__enter__()
         self._stack.callback(naming.__exit__, None, None, None)
-        on = _torch.saved_tensors_hooks_on()
+        on = transforms.in_force()  # (memlab's stale pairs taken off)
         if on is not None and (on[0] is native_pack() or is_accountant_pack(on[0])):
             self.names.alias = on[0]  # memlab's region around this one tags what is saved too
         elif on is not None:  # the program's own pair stays in force (offloading, say)

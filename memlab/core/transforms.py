@@ -13,6 +13,9 @@ pair is in force (2.4), the pairs pushed through its Python call while such a re
 are followed on each thread, so that memlab's own is told apart (a pair pushed from C++ alone
 would not be). What was replaced is put back when the last such region closes, unless other
 code replaced it meanwhile.
+
+A region opening looks at the pair in force through `in_force`, which first takes off memlab's
+own pairs that no region open on the thread holds (see there).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import torch
 from memlab.core import _torch
 from memlab.core._torch_record import saved_hooks_module
 
-#: The pack hooks of memlab's pairs in force, each with what to call when it steps aside.
-_OURS: list[tuple[Any, Callable[[], None]]] = []
+#: The pack hooks of memlab's pairs in force, each with what to call when it steps aside and
+#: the thread it was pushed on.
+_OURS: list[tuple[Any, Callable[[], None], int]] = []
 _lock = threading.Lock()
 _original: list[Any] = []
 _C: Any = saved_hooks_module()
@@ -102,9 +106,30 @@ class StepAside:
 
 def _told(pack: Any) -> Callable[[], None] | None:
     with _lock:
-        for ours, told in _OURS:
+        for ours, told, _ in _OURS:
             if ours == pack:
                 return told
+    return None
+
+
+def in_force() -> tuple[Any, Any] | None:
+    """The pair in force on this thread (`_torch.saved_tensors_hooks_on`), once memlab's own
+    pairs on top that no region open on this thread holds are taken off. Such a stale pair is
+    left by a region closed inside backward (the autograd engine puts back the thread's state it
+    saved, the pair with it), by one closed on another thread, or by a Ctrl-C just after a push:
+    a region opening under it would take it for memlab's region around this one (and a CUDA
+    log, the graph built in it for one a ledger follows, which no later region walks) or for
+    the program's own pair (and tag nothing)."""
+    from memlab.core.cuda_names import log_unpack  # (it imports this module)
+    from memlab.core.older_graphs import OWN_UNPACK
+
+    me = threading.get_ident()
+    while (on := _torch.saved_tensors_hooks_on()) is not None:
+        ours = on[1] is log_unpack or any(on[1] is own for own in OWN_UNPACK)
+        with _lock:
+            if not ours or any(p == on[0] and t == me for p, _, t in _OURS):
+                return on
+        _C._pop_saved_tensors_default_hooks()
     return None
 
 
@@ -124,7 +149,7 @@ def install(pack: Any, unpack: Any, told: Callable[[], None]) -> None:
             _generation[0] += 1
             _C._push_saved_tensors_default_hooks = _push
             _C._pop_saved_tensors_default_hooks = _pop
-        _OURS.append((pack, told))
+        _OURS.append((pack, told, threading.get_ident()))
     pairs = _pairs() if _followed else None
     if pairs is not None and (not pairs or pairs[-1][0] != pack):  # (not followed when pushed)
         pairs.append((pack, unpack))
@@ -135,7 +160,7 @@ def uninstall(pack: Any) -> None:
     context manager back (where it is still memlab's)."""
     graph: Any = torch.autograd.graph  # (its attribute is replaced, so not typed as itself)
     with _lock:
-        for i, (ours, _) in enumerate(_OURS):
+        for i, (ours, _, _) in enumerate(_OURS):
             if ours == pack:
                 del _OURS[i]
                 break

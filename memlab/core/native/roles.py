@@ -114,7 +114,7 @@ class NativeRoles(Roles):
             self._prune_at = 2 * len(self._leaf_refs) + 4096
 
     def _push_pack(self) -> None:
-        on = _torch.saved_tensors_hooks_on()
+        on = transforms.in_force()  # (memlab's stale pairs taken off)
         if on is not None:  # only the top pair applies: the program's own stay in force
             self.errors.append(
                 "activations not tagged: the program's own saved_tensors_hooks are in force"
