@@ -89,7 +89,7 @@ class Later:
 
 def defer(later: Later) -> Later:
     """``later``, waiting for its first read; older logs replayed now where those waiting
-    would hold more than `PENDING_EVENTS` events (a log that large alone: replayed now)."""
+    would hold more than `PENDING_EVENTS` entries (a log that large alone: replayed now)."""
     if later.events > PENDING_EVENTS:
         later()
         return later
