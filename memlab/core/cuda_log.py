@@ -236,25 +236,24 @@ class CudaLog:
             if not any(n.startswith("no breakdown") for n in self.notes):
                 self.notes.append("no breakdown: the allocator's log was not read (interrupted)")
             return _no_breakdown(before)
-        if self._later is not None:  # (a close tried again after a Ctrl-C: the same replay)
-            return Tally(before, before, before, None, None, None, None, None, None, self._later)
-        names = self.names
-        self._later = later = Later(
-            self._events,
-            before,
-            self._blocks,
-            names.named,
-            args=names.args,
-            saved_before=self._saved_before,
-            released=self._released,
-            unsaved=names.unsaved,
-            complete=self._complete and not names.trimmed,
-            limit=MAX_EVENTS,
-        )
-        names.clear()  # (its lists stay the replay's: clearing makes new ones)
-        self._events, self._blocks = [], []  # (the log is the replay's alone now)
-        defer(later)  # (older logs may be replayed here: a Ctrl-C in one leaves this one whole)
-        return Tally(before, before, before, None, None, None, None, None, None, later)
+        if self._later is None:  # (a close tried again after a Ctrl-C: the same replay)
+            names = self.names
+            self._later = Later(
+                self._events,
+                before,
+                self._blocks,
+                names.named,
+                args=names.args,
+                saved_before=self._saved_before,
+                released=self._released,
+                unsaved=names.unsaved,
+                complete=self._complete and not names.trimmed,
+                limit=MAX_EVENTS,
+            )
+            names.clear()  # (its lists stay the replay's: clearing makes new ones)
+            self._events, self._blocks = [], []  # (the log is the replay's alone now)
+            defer(self._later)  # (older logs replayed here: a Ctrl-C in one leaves this whole)
+        return Tally(before, before, before, None, None, None, None, None, None, self._later)
 
 
 def for_region(

@@ -222,3 +222,8 @@ def users_traceback(
         return front
 
     return decorate
+
+
+def memlabs(value: object) -> bool:
+    """Whether ``value`` (a function, a class, a hook) is defined in memlab's own code."""
+    return str(getattr(value, "__module__", "")).partition(".")[0] == "memlab"

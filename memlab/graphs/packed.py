@@ -45,9 +45,7 @@ def frame_inputs(frame: Any) -> Iterator[torch.Tensor | Packed]:
     for value, hook in checkpoint_inputs(frame):
         if hook is not None:
             yield packed(hook)
-        elif isinstance(value, torch.Tensor):
-            yield value
-        else:
+        else:  # (a tensor, or the tensors in an input that is none)
             yield from tensors_of(value)
 
 

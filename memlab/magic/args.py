@@ -14,6 +14,8 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from memlab.core.frames import memlabs
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -162,7 +164,7 @@ def free_for(name: str | None, ns: dict[str, Any], magic: str) -> None:
     value = ns.get(name) if name else None
     if isinstance(value, types.ModuleType):
         what = f"the module {value.__name__!r}"
-    elif isinstance(value, (type, types.FunctionType)) and _memlabs(value):
+    elif isinstance(value, (type, types.FunctionType)) and memlabs(value):
         what = f"memlab's {value.__qualname__!r}"
     else:
         return
@@ -170,10 +172,6 @@ def free_for(name: str | None, ns: dict[str, Any], magic: str) -> None:
         f"{magic}: -o {name} would replace your {name!r}, which is bound to {what}; pick "
         "another name (for example -o report)."
     )
-
-
-def _memlabs(value: Any) -> bool:
-    return str(getattr(value, "__module__", "")).partition(".")[0] == "memlab"
 
 
 _IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})

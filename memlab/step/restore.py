@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlab.core.frames import memlabs
 from memlab.step.leftovers import Leftovers, left_behind
 
 
@@ -53,11 +54,6 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
             *(functools.partial(_unhook, t, name, was) for t, name, was in hooked),
             *(functools.partial(_reshape, m, shape) for m, shape in shapes),
         )
-
-
-def _memlabs(hook: Any) -> bool:
-    module = getattr(hook, "__module__", None) or type(hook).__module__
-    return isinstance(module, str) and module.split(".")[0] == "memlab"
 
 
 def _each(*steps: Callable[[], None]) -> None:
@@ -242,7 +238,7 @@ def _recording(register: Callable[..., Any]) -> Callable[..., Any]:
     def recorded(hook: Any, *args: Any, **kwargs: Any) -> Any:
         handle = register(hook, *args, **kwargs)
         handles = getattr(_mine, "handles", None)
-        if handles is not None and not _memlabs(hook):
+        if handles is not None and not memlabs(hook):
             handles.append(handle)
         return handle
 
