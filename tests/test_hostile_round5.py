@@ -163,6 +163,30 @@ def test_torch_compile_of_a_module_shows_no_warning_about_memlab_s_hooks(
         handle.remove()
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("flags", [{}, {"breakdown": True}, {"timeline": True}])
+def test_a_warning_the_program_shows_once_per_line_is_not_shown_again_after_each_region(
+    monkeypatch: pytest.MonkeyPatch, native: str, flags: dict[str, bool]
+) -> None:
+    # (the filter memlab puts in for its own hooks once reset every module's record of the
+    # warnings shown, so such a warning came back at every step of a tracked loop)
+    monkeypatch.setenv("MEMLAB_NATIVE", native)
+    m = torch.nn.Linear(3, 3)
+
+    def users_step() -> None:
+        m(torch.randn(2, 3)).sum().backward()
+        warnings.warn("the program's own warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        for _ in range(4):
+            with memlab.track("cpu", **flags):
+                users_step()
+    assert [str(w.message) for w in said if "own warning" in str(w.message)] == [
+        "the program's own warning"
+    ]
+
+
 def test_graph_shows_the_user_s_frames_alone() -> None:
     class Boom(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

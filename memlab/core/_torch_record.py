@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from memlab.core.warn import quiet_compile_hooks
+
 _missing: str | None = None
 _p: Any = None
 _autograd: Any = torch.autograd
@@ -179,8 +181,9 @@ class GlobalHooks:
     dicts PyTorch keeps them in, under ids taken once from ``RemovableHandle`` (so no other
     hook's id is reused), where registering through the public functions makes two handles a
     hook each time. Where the dicts are not there, the public functions are used. The forward
-    hook may be left out at `install` and put in later (`install_post`): a global forward hook
-    costs every module call PyTorch's slow path. Checked 2.4.1, 2.13."""
+    hook may be left out at `install` and put in later (`install_post`), and the pre-hook taken
+    out for a while (`pause_pre`): any global module hook costs every module call PyTorch's
+    slow path. Checked 2.4.1, 2.13."""
 
     def __init__(self, pre: Any, post: Any, step_pre: Any, step_post: Any) -> None:
         from torch.nn.modules import module as mm
@@ -191,6 +194,7 @@ class GlobalHooks:
         self._quiet: Any = _nothing  # takes out the warning filter `install` put in
         self._handles: list[Any] = []
         self._post_handle: Any = None
+        self._paused = False  # (the pre-hook taken out by `pause_pre`)
         try:
             dicts = (
                 mm._global_forward_pre_hooks,
@@ -205,8 +209,6 @@ class GlobalHooks:
             self._dicts = None
 
     def install(self, post: bool = True) -> None:
-        from memlab.core.warn import quiet_compile_hooks
-
         self._quiet = quiet_compile_hooks()
         if self._dicts is None:
             from torch.nn.modules import module as mm
@@ -237,7 +239,23 @@ class GlobalHooks:
         self._dicts[1][self._ids[1]] = self._hooks[1]
         self._always[self._ids[1]] = True
 
+    def pause_pre(self) -> bool:
+        """Takes the forward pre-hook out until `resume_pre` (while the outermost module call
+        runs, so that the calls inside it keep PyTorch's fast path); False where it cannot."""
+        if self._dicts is None or self._ids[0] not in self._dicts[0]:
+            return False
+        del self._dicts[0][self._ids[0]]
+        self._paused = True
+        return True
+
+    def resume_pre(self) -> None:
+        """Puts the pre-hook `pause_pre` took out back (nothing once `remove` ran)."""
+        if self._paused and self._dicts is not None:
+            self._paused = False
+            self._dicts[0][self._ids[0]] = self._hooks[0]
+
     def remove(self) -> None:
+        self._paused = False
         self._quiet()
         self._quiet = _nothing
         if self._dicts is None:

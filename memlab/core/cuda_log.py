@@ -135,9 +135,7 @@ class CudaLog:
         self._stack.callback(quiet_compile_hooks())
         self.names.arm()
         self._stack.callback(self.names.disarm)
-        naming = kv_caches.naming(self.names.mark)
-        naming.__enter__()
-        self._stack.callback(naming.__exit__, None, None, None)
+        self._stack.callback(kv_caches.named_by(self.names.mark))
         on = transforms.in_force()  # (memlab's stale pairs taken off)
         if on is not None and (on[0] is native_pack() or is_accountant_pack(on[0])):
             self.names.alias = on[0]  # memlab's region around this one tags what is saved too

@@ -12,7 +12,6 @@ tensors (older releases keep ``key_cache[layer]``). The classes are as they were
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -80,13 +79,24 @@ def _unpatch() -> None:
         setattr(cls, "update", own)  # noqa: B010
 
 
-@contextlib.contextmanager
-def naming(mark: Callable[[torch.Tensor, Category], None]) -> Iterator[None]:
-    """Within the block, what Hugging Face's caches hold after each ``update`` on this thread
-    is told to ``mark`` as ``kv_cache``; nothing where transformers is not imported. The
-    classes are patched while any block is open, on any thread, and put back after the last."""
-    _MARKS.push(mark, lambda first: _patch() if not _PATCHED else None)  # (imported since)
-    try:
-        yield
-    finally:
-        _MARKS.pop(mark, lambda last: _unpatch() if last else None)
+def named_by(mark: Callable[[torch.Tensor, Category], None]) -> Callable[[], None]:
+    """From now, what Hugging Face's caches hold after each ``update`` on this thread is told
+    to ``mark`` as ``kv_cache`` (nothing where transformers is not imported), until the
+    callable returned is called. The classes are patched while any ``mark`` is in, on any
+    thread, and put back after the last is out."""
+    _MARKS.push(mark, _first)  # (patched here where transformers was imported since)
+
+    def out() -> None:
+        _MARKS.pop(mark, _last)
+
+    return out
+
+
+def _first(first: bool) -> None:
+    if not _PATCHED:
+        _patch()
+
+
+def _last(last: bool) -> None:
+    if last:
+        _unpatch()

@@ -52,13 +52,7 @@ class Roles:
     def kv_caches_in(self) -> Callable[[], None]:
         """Names what Hugging Face's key/value caches hold (`memlab.core.kv_caches`) until the
         callable returned is called."""
-        naming = kv_caches.naming(self.mark)
-        naming.__enter__()
-
-        def out() -> None:
-            naming.__exit__(None, None, None)
-
-        return out
+        return kv_caches.named_by(self.mark)
 
     def mark(self, t: torch.Tensor, category: Category) -> None:
         # Once per storage and role in a region (telling the ledger again changes nothing):

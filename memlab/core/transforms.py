@@ -112,6 +112,10 @@ def _told(pack: Any) -> Callable[[], None] | None:
     return None
 
 
+#: memlab's unpack hooks: the CUDA log's, and the list of the others (`older_graphs`).
+_UNPACKS: list[Any] = []
+
+
 def in_force() -> tuple[Any, Any] | None:
     """The pair in force on this thread (`_torch.saved_tensors_hooks_on`), once memlab's own
     pairs on top that no region open on this thread holds are taken off. Such a stale pair is
@@ -120,12 +124,15 @@ def in_force() -> tuple[Any, Any] | None:
     a region opening under it would take it for memlab's region around this one (and a CUDA
     log, the graph built in it for one a ledger follows, which no later region walks) or for
     the program's own pair (and tag nothing)."""
-    from memlab.core.cuda_names import log_unpack  # (it imports this module)
-    from memlab.core.older_graphs import OWN_UNPACK
+    if not _UNPACKS:  # (imported here: they import this module)
+        from memlab.core.cuda_names import log_unpack
+        from memlab.core.older_graphs import OWN_UNPACK
 
+        _UNPACKS[:] = [log_unpack, OWN_UNPACK]
+    log_unpack, own_unpacks = _UNPACKS
     me = threading.get_ident()
     while (on := _torch.saved_tensors_hooks_on()) is not None:
-        ours = on[1] is log_unpack or any(on[1] is own for own in OWN_UNPACK)
+        ours = on[1] is log_unpack or any(on[1] is own for own in own_unpacks)
         with _lock:
             if not ours or any(p == on[0] and t == me for p, _, t in _OURS):
                 return on

@@ -20,6 +20,7 @@ class _PassThrough(TorchDispatchMode):
 
 
 _thread: threading.Thread | None = None
+_warm = False  # (the warm-up thread has ended)
 
 
 #: How long the warm-up waits for another thread's import of torch._dynamo to finish.
@@ -69,8 +70,11 @@ def warm_up() -> None:
     frame that imports it), and a frame keeps its function's locals until Python's collector
     runs: a model built later in the same function would stay alive after it returns. So the
     import runs on a thread of its own, whose stack holds nothing of the caller's."""
-    global _thread
+    global _thread, _warm
+    if _warm:  # (every region asks)
+        return
     if _thread is None:  # one thread, ever: a Ctrl-C while waiting leaves it to finish alone
         _thread = threading.Thread(target=_first_mode, name="memlab-warm-up", daemon=True)
         _thread.start()
     _thread.join()
+    _warm = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,24 +26,34 @@ def moved(old: str, new: str) -> None:
 #: PyTorch's warning when a compiled module runs while global module hooks are in: memlab's
 #: own, while a breakdown or timeline follows the modules (they expect the extra call).
 _COMPILE_HOOKS = r"Using `torch\.compile\(module\)` when there are global hooks"
+#: The filter, as `warnings.filterwarnings` would make it (made once: this runs at every region).
+_FILTER = ("ignore", re.compile(_COMPILE_HOOKS, re.I), UserWarning, None, 0)
 
 
 def quiet_compile_hooks() -> Callable[[], None]:
     """Ignores PyTorch's warning about global module hooks under ``torch.compile(module)``
-    while memlab's hooks are the global ones; returns what takes exactly that filter out (the
-    user's own filters, one of the same text included, stay as they were)."""
-    before = list(warnings.filters)
-    warnings.filterwarnings("ignore", message=_COMPILE_HOOKS, category=UserWarning)
-    added = warnings.filters[0]
-    if any(f == added for f in before):  # the user's own, moved to the front: left there
-        return lambda: None
+    while memlab's hooks are the global ones; returns what takes exactly that filter out. A
+    filter of the same text already there (the user's own, or an enclosing region's) is left
+    where it is, and the other filters stay in their order.
+
+    The filter goes in and out without telling the warnings machinery its filters changed
+    (`warnings.filterwarnings` does): that would empty every module's record of the warnings
+    it has shown, and a warning of the program's that shows once per line would show again
+    after every region. An "ignore" filter of one message needs no such reset: that message is
+    not recorded while it is in, and no other message's record depends on it."""
+    filters: Any = warnings.filters  # (a list; typeshed says Sequence)
+    if _FILTER in filters:
+        return _nothing
+    filters.insert(0, _FILTER)
 
     def remove() -> None:
-        with contextlib.suppress(ValueError):
-            filters: Any = warnings.filters  # (a list; typeshed says Sequence)
-            filters.remove(added)
-            mutated = getattr(warnings, "_filters_mutated", None)
-            if callable(mutated):
-                mutated()
+        for i, f in enumerate(filters):  # (this list: a catch_warnings block may have ended)
+            if f is _FILTER:
+                del filters[i]
+                return
 
     return remove
+
+
+def _nothing() -> None:
+    pass

@@ -31,19 +31,20 @@ _INDEX = {c: i for i, c in enumerate(_BY_INDEX)}
 _ORDER = [(c, _INDEX[c]) for c in Category if c in _INDEX]
 
 
-# Buffers the library writes into and reads from, kept (one native region at a time), each
-# grown to the next power of two it needs.
-_BUFFERS: dict[int, Any] = {}
+# Arrays the library writes into and reads from, kept by name (one native region at a time),
+# each set grown together to the next power of two it needs: [length, array, ...].
+_BUFFERS: dict[str, list[Any]] = {}
 _OUT = (ctypes.c_int64 * 5)()
 _CATS = (ctypes.c_int64 * (3 * _N))()
+_I64, _SSIZE, _SIZE = ctypes.c_int64, ctypes.c_ssize_t, ctypes.c_size_t
 
 
-def _buffer(kind: Any, slot: int, n: int) -> Any:
-    """Buffer number ``slot`` (each use its own: c_ssize_t and c_int64 are one type here)."""
-    buf = _BUFFERS.get(slot)
-    if buf is None or len(buf) < n:
-        buf = _BUFFERS[slot] = (kind * max(16, 1 << (n - 1).bit_length()))()
-    return buf
+def _buffers(name: str, n: int, *kinds: Any) -> list[Any]:
+    kept = _BUFFERS.get(name)
+    if kept is None or kept[0] < n:
+        length = max(16, 1 << (max(n, 1) - 1).bit_length())
+        kept = _BUFFERS[name] = [length, *((kind * length)() for kind in kinds)]
+    return kept
 
 
 def _code(category: Category | None) -> int:
@@ -100,10 +101,9 @@ def tally(
     known frees not found, bytes of adopted storages not placed."""
     touched: dict[int, Entry] = {e.serial: e for e in survivors}
     # roles given in the region: the lasting ones into the ledger, for the storages alive
-    n = int(lib.mn_marks_count())
+    n = lib.mn_marks_count()
     if n:
-        weak = _buffer(ctypes.c_ssize_t, 0, n)
-        codes = _buffer(ctypes.c_int64, 1, n)
+        _, weak, codes = _buffers("marks", n, _SSIZE, _I64)
         for i in range(lib.mn_marks(weak, codes, n)):
             storage = storage_from_weak(weak[i])
             category = CATEGORY.get(int(codes[i]))
@@ -114,16 +114,11 @@ def tally(
     hand_over_aliases(lib, ledger)
     ledger.settle()
     # the storages from before the region that it touched: their roles, from the ledger
-    n = int(lib.mn_older_count())
-    older_codes = _buffer(ctypes.c_int64, 2, n)
-    saved_end = _buffer(ctypes.c_int64, 3, n)
+    n = lib.mn_older_count()
+    kinds = (_SSIZE, _SIZE, _I64, _I64, _I64, _I64, _I64)
+    _, weak, ptrs, sizes, read, marks, older_codes, saved_end = _buffers("older", n, *kinds)
     if n:
-        weak = _buffer(ctypes.c_ssize_t, 4, n)
-        ptrs = _buffer(ctypes.c_size_t, 5, n)
-        sizes = _buffer(ctypes.c_int64, 6, n)
-        read = _buffer(ctypes.c_int64, 7, n)
-        marks = _buffer(ctypes.c_int64, 8, n)
-        n = int(lib.mn_older(weak, ptrs, sizes, read, marks, n))
+        n = lib.mn_older(weak, ptrs, sizes, read, marks, n)
         for i in range(n):
             storage = storage_from_weak(weak[i])
             code = int(marks[i])
@@ -144,29 +139,14 @@ def tally(
                     known = {**known, ptr: sizes[i]}
                     before_base += sizes[i]
     m = len(known)
-    addresses = _buffer(ctypes.c_size_t, 9, m)
-    nbytes = _buffer(ctypes.c_int64, 10, m)
-    known_codes = _buffer(ctypes.c_int64, 11, m)
+    _, addresses, nbytes, known_codes = _buffers("known", m, _SIZE, _I64, _I64)
     for i, (ptr, size) in enumerate(known.items()):
         addresses[i], nbytes[i] = ptr, size
         known_codes[i] = _code(frees.freed_role.get(ptr))
     out, cats = _OUT, _CATS
-    points = int(
-        lib.mn_tally(
-            addresses,
-            m,
-            nbytes,
-            known_codes,
-            older_codes,
-            saved_end,
-            n,
-            int(t0 * 1e9),
-            out,
-            5,
-            cats,
-        )
-    )
-    high, _, _, missing, unplaced = out
+    args = (addresses, m, nbytes, known_codes, older_codes, saved_end, n, int(t0 * 1e9))
+    points = lib.mn_tally(*args, out, 5, cats)
+    high, _, _, missing, unplaced = out[:]
     # what the region never touched: constant throughout, by the ledger's roles
     still, counted = _special_sums(ledger)
     rest = ledger.total(_CPU) - counted
@@ -186,7 +166,7 @@ def tally(
             rest += entry.nbytes
     still[_INDEX[Category.OTHER]] += rest
     before = before_base + frees.discovered  # (storages found here existed all along)
-    row = list(cats)
+    row = cats[:]
     peak_row, end_row, high_row = {}, {}, {}
     for c, i in _ORDER:  # in Category's order, as the dispatch mode's tallies list them
         base = still[i]
@@ -197,17 +177,13 @@ def tally(
         if row[2 * _N + i] + base:
             high_row[c] = row[2 * _N + i] + base
 
-    totals: array[int] = array("q")
-    times: array[float] = array("d")
-    phases: array[int] = array("b")
+    # the timeline's points, written by the library straight into the arrays the Tally keeps
+    totals: array[int] = array("q", bytes(8 * points))
+    times: array[float] = array("d", bytes(8 * points))
+    phases: array[int] = array("b", bytes(points))
     if points:
-        t_buf = _buffer(ctypes.c_int64, 12, points)
-        s_buf = _buffer(ctypes.c_double, 13, points)
-        p_buf = _buffer(ctypes.c_int8, 14, points)
-        lib.mn_points(t_buf, s_buf, p_buf, points, before)
-        totals.frombytes(memoryview(t_buf).cast("B")[: 8 * points])
-        times.frombytes(memoryview(s_buf).cast("B")[: 8 * points])
-        phases.frombytes(memoryview(p_buf).cast("B")[:points])
+        at = (totals.buffer_info()[0], times.buffer_info()[0], phases.buffer_info()[0])
+        lib.mn_points(*at, points, before)
     result = Tally(
         before,
         ledger.total(_CPU),

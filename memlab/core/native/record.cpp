@@ -786,6 +786,10 @@ int register_saved_op() {
 // Leaves that require grad, met as an op's input or in a backward's graph (weakly held): their
 // gradients are named at the end of each backward and of the region.
 std::unordered_set<c10::TensorImpl*>& leaves = *new std::unordered_set<c10::TensorImpl*>();
+// Tensors Python was handed by mn_typed and found to be no parameter (weakly held, across
+// regions): not handed out again (a model's input, read again at every step).
+std::unordered_set<c10::TensorImpl*>& plain = *new std::unordered_set<c10::TensorImpl*>();
+size_t plain_prune_at = 4096;
 bool grads_queued = false;  // a callback at the end of the running backward is queued
 int queued_task = -1;       // the graph task it was queued on
 // The autograd nodes whose leaves were looked for in this region (a graph walked once).
@@ -1121,6 +1125,21 @@ void prune_reported() {
   prune_at = 2 * reported.size() + 4096;
 }
 
+void prune_plain() {
+  if (plain.size() < plain_prune_at) {
+    return;
+  }
+  for (auto it = plain.begin(); it != plain.end();) {
+    if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
+      to_release_impls.push_back(*it);
+      it = plain.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  plain_prune_at = 2 * plain.size() + 4096;
+}
+
 // An allocation whose block was freed while its storage lives on, in memory that is not a
 // block of this region followed by it: the storage's memory moved out of the wrapper's
 // (share_memory_ puts it in a shared segment). It keeps its bytes, as the ledger sees it.
@@ -1153,6 +1172,107 @@ void empty_out(C& c) {
     c.clear();
   }
 }
+
+// A map from an address (a storage's, or a block's) to a pair of numbers, for mn_tally's one
+// pass: open addressing in arrays kept from call to call, so that the pass allocates nothing
+// per entry (a node-based map allocates each). `reset` sizes it for about n keys; it grows
+// where more come.
+class AddressMap {
+ public:
+  struct Slot {
+    uintptr_t key;
+    int64_t a;
+    int32_t b;
+  };
+  void reset(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n + 2) {
+      cap <<= 1;
+    }
+    if (slots_.size() < cap) {
+      slots_.assign(cap, Slot{kEmpty, 0, 0});
+    } else {  // (only the part it uses: an earlier, larger region's arrays stay allocated)
+      std::fill(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(cap), Slot{kEmpty, 0, 0});
+    }
+    mask_ = cap - 1;
+    size_ = 0;
+  }
+  // The slot of `key`, or null.
+  Slot* find(uintptr_t key) {
+    for (size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.key == key) {
+        return &s;
+      }
+      if (s.key == kEmpty) {
+        return nullptr;
+      }
+    }
+  }
+  // The slot of `key`, made (a = 0, b = -1) where it is new; `made` says which.
+  Slot& get(uintptr_t key, bool& made) {
+    if (2 * (size_ + 1) > mask_ + 1) {
+      grow();
+    }
+    for (size_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.key == key) {
+        made = false;
+        return s;
+      }
+      if (s.key == kEmpty) {
+        s = Slot{key, 0, -1};
+        ++size_;
+        made = true;
+        return s;
+      }
+    }
+  }
+  // Takes `key` out (backward-shift deletion: no tombstones).
+  void erase(Slot* s) {
+    size_t i = static_cast<size_t>(s - slots_.data());
+    for (size_t j = (i + 1) & mask_;; j = (j + 1) & mask_) {
+      if (slots_[j].key == kEmpty) {
+        break;
+      }
+      const size_t home = hash(slots_[j].key) & mask_;
+      // move j back to i where i lies cyclically in [home, j)
+      if (((j - home) & mask_) >= ((j - i) & mask_)) {
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i].key = kEmpty;
+    --size_;
+  }
+  template <class F>
+  void each(F f) {  // (every live slot, in the arrays' order)
+    for (size_t i = 0; i <= mask_; ++i) {
+      if (slots_[i].key != kEmpty) {
+        f(slots_[i]);
+      }
+    }
+  }
+
+ private:
+  static constexpr uintptr_t kEmpty = ~static_cast<uintptr_t>(0);  // (no address is all ones)
+  static size_t hash(uintptr_t key) {
+    return static_cast<size_t>((key >> 4) * 0x9E3779B97F4A7C15ull >> 16);
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(mask_ + 1));
+    reset(mask_ + 1);
+    for (const Slot& s : old) {
+      if (s.key != kEmpty) {
+        bool made = false;
+        get(s.key, made) = s;
+      }
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t size_ = 0;
+};
 
 void drop_weak_refs() {
   for (Alloc& a : allocs) {
@@ -1220,7 +1340,7 @@ void drop_weak_refs() {
 extern "C" {
 
 int mn_version() {
-  return 7;
+  return 8;
 }
 
 #ifndef MN_MODE_KEY
@@ -1272,6 +1392,7 @@ int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
       reported_to = ledger;
     }
     prune_reported();
+    prune_plain();
     limit = max_events > 0 ? max_events : limit;
     keep = keep_events != 0;
     overflow = false;
@@ -1744,6 +1865,25 @@ int64_t mn_aliases(intptr_t*, int64_t) {
 }
 #endif
 
+namespace {
+// A leaf, or a tensor an older storage was first read through, whose type Python is asked
+// for: alive, with a storage that has no lasting role yet (named before: the ledger holds it).
+bool untyped(c10::TensorImpl* impl) {  // under `mu`
+  return c10::raw::weak_intrusive_ptr::use_count(impl) != 0 && impl->has_storage() &&
+         sticky.count(impl->unsafe_storage().unsafeGetStorageImpl()) == 0 &&
+         plain.count(impl) == 0;
+}
+}  // namespace
+
+// A tensor mn_typed handed out (its TensorImpl: a tensor's _cdata) is no parameter.
+void mn_plain(intptr_t tensor) {
+  std::lock_guard<std::mutex> g(mu);
+  auto* impl = reinterpret_cast<c10::TensorImpl*>(tensor);
+  if (impl != nullptr && plain.insert(impl).second) {
+    c10::raw::weak_intrusive_ptr::incref(impl);
+  }
+}
+
 #ifdef MN_LOAD_PYOBJ
 // The Python objects of the leaves and of the tensors older storages were first read through,
 // whose storage has no lasting role yet (alive, with a Python object): only Python can tell a
@@ -1752,11 +1892,8 @@ int64_t mn_typed(intptr_t* objects, int64_t cap) {
   std::lock_guard<std::mutex> g(mu);
   int64_t k = 0;
   auto add = [&](c10::TensorImpl* impl) {
-    if (k >= cap || c10::raw::weak_intrusive_ptr::use_count(impl) == 0 || !impl->has_storage()) {
+    if (k >= cap || !untyped(impl)) {
       return;
-    }
-    if (sticky.count(impl->unsafe_storage().unsafeGetStorageImpl()) != 0) {
-      return;  // named before: the ledger holds its role
     }
     PyObject* obj = impl->pyobj_slot()->load_pyobj();
     if (obj != nullptr) {  // a new reference (see mn_aliases)
@@ -1780,11 +1917,16 @@ int64_t mn_typed(intptr_t*, int64_t) {
 }
 #endif
 
+// How many mn_typed may hand out (at most): none once every leaf and reader has its role.
 int64_t mn_typed_count() {
   std::lock_guard<std::mutex> g(mu);
-  int64_t n = static_cast<int64_t>(leaves.size());
+  int64_t n = 0;
+  for (c10::TensorImpl* impl : leaves) {
+    n += untyped(impl) ? 1 : 0;
+  }
   for (const auto& kv : older) {
-    n += kv.second.reader != nullptr ? 1 : 0;
+    const bool read_by = kv.second.reader != nullptr && marks.count(kv.first) == 0;
+    n += read_by && untyped(kv.second.reader) ? 1 : 0;
   }
   return n;
 }
@@ -1834,6 +1976,14 @@ struct Ev {
 std::vector<int64_t>& pt_total = *new std::vector<int64_t>();
 std::vector<double>& pt_secs = *new std::vector<double>();
 std::vector<int8_t>& pt_phase = *new std::vector<int8_t>();
+
+// mn_tally's containers, kept (under `mu`): its entries, events, and four maps.
+std::vector<Ent>& t_ents = *new std::vector<Ent>();
+std::vector<Ev>& t_evs = *new std::vector<Ev>();
+AddressMap& t_by_storage = *new AddressMap();  // storage -> (_, entry)
+AddressMap& t_by_ptr = *new AddressMap();      // block of a storage from before -> (_, entry)
+AddressMap& t_wanted = *new AddressMap();      // known free's address -> (bytes, code)
+AddressMap& t_adopted = *new AddressMap();     // older block adopted -> (bytes, entry)
 }  // namespace
 
 // The region's figures and its categories (a breakdown): mn_sweep's events, each one's bytes
@@ -1847,21 +1997,22 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
                  const int64_t* known_codes, const int64_t* codes, const int64_t* saved_end,
                  int64_t n_older, int64_t t0_ns, int64_t* out, int64_t n_out, int64_t* cats) {
   std::lock_guard<std::mutex> g(mu);
-  std::vector<Ent> ents;
-  std::unordered_map<c10::StorageImpl*, int32_t> by_storage;
+  std::vector<Ent>& ents = t_ents;
+  ents.clear();
   const size_t most = allocs.size() + saves.size() + older_order.size() + moves.size() + 1;
   ents.reserve(most + static_cast<size_t>(n));
-  by_storage.reserve(most);
-  std::unordered_map<uintptr_t, int32_t> by_ptr;  // storages from before, by block
+  AddressMap& by_storage = t_by_storage;
+  by_storage.reset(most);
+  AddressMap& by_ptr = t_by_ptr;  // storages from before, by block
+  by_ptr.reset(older_order.size() + static_cast<size_t>(n));
   auto ent_of = [&](c10::StorageImpl* s) -> int32_t {
-    auto it = by_storage.find(s);
-    if (it != by_storage.end()) {
-      return it->second;
+    bool made = false;
+    AddressMap::Slot& slot = by_storage.get(reinterpret_cast<uintptr_t>(s), made);
+    if (made) {
+      slot.b = static_cast<int32_t>(ents.size());
+      ents.emplace_back();
     }
-    const auto e = static_cast<int32_t>(ents.size());
-    ents.emplace_back();
-    by_storage.emplace(s, e);
-    return e;
+    return slot.b;
   };
   // the storages from before, with the roles the caller read from the ledger
   const int64_t given = std::min<int64_t>(n_older, static_cast<int64_t>(older_order.size()));
@@ -1874,30 +2025,39 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
     x.size = o.size;
     x.code = static_cast<int>(codes[i]);
     x.saved = static_cast<int>(saved_end[i]);
-    by_ptr.emplace(o.ptr, e);
+    bool made = false;
+    AddressMap::Slot& slot = by_ptr.get(o.ptr, made);
+    if (made) {
+      slot.b = e;
+    }
   }
-  std::unordered_map<uintptr_t, std::pair<int64_t, int>> wanted;  // address -> (bytes, code)
+  AddressMap& wanted = t_wanted;  // address -> (bytes, code)
+  wanted.reset(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
-    wanted[known[i]] = {known_sizes[i], static_cast<int>(known_codes[i])};
+    bool made = false;
+    AddressMap::Slot& slot = wanted.get(known[i], made);
+    slot.a = known_sizes[i];
+    slot.b = static_cast<int32_t>(known_codes[i]);
   }
   auto ent_of_ptr = [&](uintptr_t ptr, int64_t size, int code) -> int32_t {
-    auto it = by_ptr.find(ptr);
-    if (it != by_ptr.end()) {
-      Ent& x = ents[it->second];
+    if (AddressMap::Slot* it = by_ptr.find(ptr)) {
+      Ent& x = ents[it->b];
       if (x.code == 0 || (code != 0 && code < x.code)) {
         x.code = code != 0 ? code : x.code;
       }
-      return it->second;
+      return it->b;
     }
     const auto e = static_cast<int32_t>(ents.size());
     ents.emplace_back();
     ents[e].predates = true;
     ents[e].size = size;
     ents[e].code = code;
-    by_ptr.emplace(ptr, e);
+    bool made = false;
+    by_ptr.get(ptr, made).b = e;
     return e;
   };
-  std::vector<Ev> evs;
+  std::vector<Ev>& evs = t_evs;
+  evs.clear();
   evs.reserve(allocs.size() * 2 + saves.size() + earlier_frees.size());
   int32_t resized_ent = -1;  // bytes of storages resized in place with no storage known
   for (const Resize& r : resizes) {
@@ -1914,15 +2074,16 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   }
   int64_t found = 0;
   for (const Move& m : moves) {
-    auto w = wanted.find(m.old_ptr);
+    AddressMap::Slot* w = wanted.find(m.old_ptr);
     const int32_t e = ent_of(m.storage);
-    if (w != wanted.end()) {
+    if (w != nullptr) {
       ++found;
       wanted.erase(w);
     }
     evs.push_back({m.seq, e, 0, -m.size});
   }
-  std::unordered_map<uintptr_t, std::pair<int64_t, int32_t>> adopted;  // address -> bytes, ent
+  AddressMap& adopted = t_adopted;  // address -> bytes, entry
+  adopted.reset(0);
   for (const Alloc& a : allocs) {
     if (a.storage == nullptr) {
       continue;
@@ -1933,31 +2094,36 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
       evs.push_back({a.free_seq, e, 0, -a.size});
     }
     if (a.older_block) {
-      adopted.emplace(a.ptr, std::make_pair(a.size, e));
+      bool made = false;
+      AddressMap::Slot& slot = adopted.get(a.ptr, made);
+      if (made) {
+        slot.a = a.size;
+        slot.b = e;
+      }
     }
   }
-  for (auto& kv : by_storage) {  // new in the region: dead at its end is freed in it
-    Ent& x = ents[kv.second];
+  by_storage.each([&](const AddressMap::Slot& slot) {  // new in the region: dead at its end
+    Ent& x = ents[slot.b];                               // is freed in it
     if (!x.predates) {
-      x.freed = c10::raw::weak_intrusive_ptr::use_count(kv.first) == 0;
-      auto m = marks.find(kv.first);
+      auto* st = reinterpret_cast<c10::StorageImpl*>(slot.key);
+      x.freed = c10::raw::weak_intrusive_ptr::use_count(st) == 0;
+      auto m = marks.find(st);
       if (m != marks.end()) {
         x.code = m->second;
       }
     }
-  }
+  });
   for (const Freed& f : earlier_frees) {
-    auto w = wanted.find(f.ptr);
-    if (w != wanted.end()) {
-      const int32_t e = ent_of_ptr(f.ptr, w->second.first, w->second.second);
-      evs.push_back({f.seq, e, 0, -w->second.first});
+    if (AddressMap::Slot* w = wanted.find(f.ptr)) {
+      const int64_t bytes = w->a;
+      const int32_t e = ent_of_ptr(f.ptr, bytes, w->b);
+      evs.push_back({f.seq, e, 0, -bytes});
       wanted.erase(w);
       ++found;
       continue;
     }
-    auto ad = adopted.find(f.ptr);
-    if (ad != adopted.end()) {
-      evs.push_back({f.seq, ad->second.second, 0, -ad->second.first});
+    if (AddressMap::Slot* ad = adopted.find(f.ptr)) {
+      evs.push_back({f.seq, ad->b, 0, -ad->a});
       adopted.erase(ad);
     }
   }
@@ -1967,7 +2133,11 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   // known frees not found in the log: counted at the end (after every event)
   const int64_t end_seq = seq + 1;
   int64_t missing = 0;
-  for (const auto& kv : wanted) {
+  std::vector<std::pair<uintptr_t, std::pair<int64_t, int>>> left;
+  wanted.each([&](const AddressMap::Slot& slot) {
+    left.push_back({slot.key, {slot.a, slot.b}});
+  });
+  for (const auto& kv : left) {
     missing += kv.second.first;
     evs.push_back({end_seq, ent_of_ptr(kv.first, kv.second.first, kv.second.second), 0,
                    -kv.second.first});
@@ -2001,7 +2171,7 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   }
   // older storages read by an op, not saved when the region began, with no other role: inputs
   for (int64_t i = 0; i < given; ++i) {
-    Ent& x = ents[by_storage[older_order[i]]];
+    Ent& x = ents[by_storage.find(reinterpret_cast<uintptr_t>(older_order[i]))->b];
     if (older[older_order[i]].read && x.code == 0 && x.saved == 0) {
       x.code = kInput;
     }

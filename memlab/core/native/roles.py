@@ -5,8 +5,11 @@ what only Python knows, through hooks that do little per call:
 
 * the phase (forward in a module, the optimizer's step, a label the front end set): one integer
   written into the library at each module and optimizer hook (a backward is found in C++);
-* parameters and buffers, at each module call, told once per storage: a storage the ledger
-  follows keeps its lasting role there, so the caches here live as long as the process;
+* parameters and buffers, at each outermost module call, of every module in its tree (the
+  calls inside it keep PyTorch's fast path: `memlab.core.native.outer`), told once per
+  storage: a storage the ledger follows keeps its lasting role there, so the caches here live
+  as long as the process (those of a module called outside its tree, unseen, are named at the
+  region's end where they are parameters an op read);
 * saved tensors: the pack hook is a C function (`memlab.core.native.pack`; until it is built,
   the library's own op ``memlab::saved``, called without a Python frame), which logs the saving
   and returns an alias that logs when autograd lets it go;
@@ -29,6 +32,7 @@ from memlab.core.categories import PRIORITY, STICKY, Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native import pack
 from memlab.core.native.objects import typed_tensors
+from memlab.core.native.optimizers import name_optimizer
 from memlab.core.native.outer import Outer
 from memlab.core.older_graphs import OWN_UNPACK
 from memlab.core.older_graphs import unpack as _unpack
@@ -66,7 +70,7 @@ class NativeRoles(Roles):
         #: The optimizers stepped in the open region (held until its end, then let go).
         self._stepped: list[torch.optim.Optimizer] = []
         #: Per optimizer: the identities of its parameters and state tensors when last named.
-        self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = (
+        self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
             weakref.WeakKeyDictionary()
         )
         self._optimizer_depth = 0
@@ -81,7 +85,8 @@ class NativeRoles(Roles):
             self._module_pre, self._module_post, self._optimizer_pre, self._optimizer_post
         )
         #: The open module calls (the forward phase lasts while one is open).
-        self._outer = Outer(self._set_phase, self._hooks.install_post)
+        hooks = self._hooks
+        self._outer = Outer(self._set_phase, hooks.install_post, hooks.pause_pre, hooks.resume_pre)
         self._caches_out: Callable[[], None] = _NOTHING  # (`install` names the KV caches)
 
     # -- install / uninstall ------------------------------------------------------------------
@@ -215,20 +220,33 @@ class NativeRoles(Roles):
             self.mark(t, Category.PARAMETER)
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._outer.called(module)
+        whole = self._outer.called(module)  # (the calls inside an outermost one go unseen)
         try:
-            refs = self._leaf_refs
-            for p in module._parameters.values():
-                if p is not None:
-                    seen = refs.get(id(p))  # (`_remember_leaf`'s test, inline: per call)
-                    if seen is None or seen[0]() is not p or seen[1] != p.data_ptr():
-                        self._remember_leaf(p)
-            if module._buffers:
-                for b in module._buffers.values():
-                    if b is not None:
-                        self.mark(b, Category.BUFFER)
+            if not whole:
+                self._name_module(module)
+                return
+            stack, seen = [module], {id(module)}  # its modules, named now
+            while stack:
+                m = stack.pop()
+                self._name_module(m)
+                for child in m._modules.values():
+                    if child is not None and id(child) not in seen:
+                        seen.add(id(child))
+                        stack.append(child)
         except Exception as e:  # never break the user's forward for our bookkeeping
             self._error(e, "a module's roles not read")
+
+    def _name_module(self, module: torch.nn.Module) -> None:
+        refs = self._leaf_refs
+        for p in module._parameters.values():
+            if p is not None:
+                seen = refs.get(id(p))  # (`_remember_leaf`'s test, inline: per module)
+                if seen is None or seen[0]() is not p or seen[1] != p.data_ptr():
+                    self._remember_leaf(p)
+        if module._buffers:
+            for b in module._buffers.values():
+                if b is not None:
+                    self.mark(b, Category.BUFFER)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._outer.returned_any()  # (the global forward hook: where `Outer` put it in)
@@ -252,6 +270,8 @@ class NativeRoles(Roles):
         for t in typed_tensors(int(self.lib.mn_typed_count())):
             if isinstance(t, torch.nn.Parameter):
                 self.mark(t, Category.PARAMETER)
+            else:  # (not asked about again)
+                self.lib.mn_plain(t._cdata)
         stepped, self._stepped = self._stepped, []
         watched: list[torch.optim.Optimizer] = []
         if len(self._optimizers):  # (named once by `watch`; their state may be new)
@@ -259,28 +279,9 @@ class NativeRoles(Roles):
             self._optimizers.clear()
         for opt in (*stepped, *(o for o in watched if not any(o is s for s in stepped))):
             try:
-                self._name_optimizer(opt)
+                name_optimizer(self, opt, self._named)
             except Exception as e:
                 self._error(e, "an optimizer's roles not read")
-
-    def _name_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        # Named again where its groups or its state changed: a state made at a first step, a
-        # state_dict loaded (a new dict), a state tensor the step replaces (Adafactor's).
-        groups, state = opt.param_groups, opt.state
-        values = (v for st in state.values() if isinstance(st, dict) for v in st.values())
-        seen = (id(groups), len(groups), id(state), len(state), *(len(g["params"]) for g in groups))
-        seen += tuple(id(v) for v in values if isinstance(v, torch.Tensor))
-        if self._named.get(opt) == seen:
-            return
-        for group in groups:
-            for p in group["params"]:
-                self._remember_leaf(p)
-                self.mark(p, Category.PARAMETER)
-        for st in state.values():
-            for v in st.values() if isinstance(st, dict) else ():
-                if isinstance(v, torch.Tensor):
-                    self.mark(v, Category.OPTIMIZER_STATE)
-        self._named[opt] = seen
 
     def _error(self, e: Exception, what: str) -> None:
         if len(self.errors) < 5:

@@ -60,14 +60,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_alias_count.restype = i64
     lib.mn_tally.argtypes = [up, i64, i64p, i64p, i64p, i64p, i64, i64, i64p, i64, i64p]
     lib.mn_tally.restype = i64
-    lib.mn_points.argtypes = [
-        i64p,
-        ctypes.POINTER(ctypes.c_double),
-        ctypes.POINTER(ctypes.c_int8),
-        i64,
-        i64,
-    ]
+    # (the addresses of the arrays it fills: int64, double and int8)
+    lib.mn_points.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, i64, i64]
     lib.mn_points.restype = i64
-    if lib.mn_version() != 7:
+    lib.mn_plain.argtypes = [ctypes.c_ssize_t]
+    lib.mn_plain.restype = None
+    if lib.mn_version() != 8:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
