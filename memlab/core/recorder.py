@@ -34,9 +34,10 @@ class Phase:
 _BYTES, _SAVED, _UNSAVED = 0, 1, 2
 
 
-@dataclass(frozen=True)
+@dataclass
 class Tally:
-    """What a recorder's events add up to."""
+    """What a recorder's events add up to. (Not frozen: a frozen dataclass is made field by
+    field through ``object.__setattr__``, and one is made at every region's end.)"""
 
     before: int
     after: int

@@ -29,6 +29,9 @@ _BY_INDEX = [CATEGORY[i + 1] for i in range(_N)]
 _INDEX = {c: i for i, c in enumerate(_BY_INDEX)}
 #: (category, index) in the order of `Category`, as the dispatch mode's tallies list them.
 _ORDER = [(c, _INDEX[c]) for c in Category if c in _INDEX]
+_ACTIVATION, _OTHER = _INDEX[Category.ACTIVATION], _INDEX[Category.OTHER]
+#: One zero of each kind the timeline's arrays hold (repeated to their length).
+_ZEROS: tuple[Any, Any, Any] = (array("q", [0]), array("d", [0.0]), array("b", [0]))
 
 
 # Arrays the library writes into and reads from, kept by name (one native region at a time),
@@ -67,7 +70,7 @@ def _special_sums(ledger: Ledger) -> tuple[list[int], int]:
         return list(cached[2]), cached[3]
     still = [0] * _N
     counted = 0
-    activation = _INDEX[Category.ACTIVATION]
+    activation = _ACTIVATION
     for entry in list(ledger._special.values()):
         if entry.device != _CPU:
             continue
@@ -151,7 +154,7 @@ def tally(
     still, counted = _special_sums(ledger)
     rest = ledger.total(_CPU) - counted
     special = ledger._special
-    activation = _INDEX[Category.ACTIVATION]
+    activation = _ACTIVATION
     for entry in touched.values():
         if entry.alive:
             rest -= entry.nbytes
@@ -164,23 +167,18 @@ def tally(
             else:
                 continue
             rest += entry.nbytes
-    still[_INDEX[Category.OTHER]] += rest
+    still[_OTHER] += rest
     before = before_base + frees.discovered  # (storages found here existed all along)
     row = cats[:]
-    peak_row, end_row, high_row = {}, {}, {}
-    for c, i in _ORDER:  # in Category's order, as the dispatch mode's tallies list them
-        base = still[i]
-        if row[i] + base:
-            peak_row[c] = row[i] + base
-        if row[_N + i] + base:
-            end_row[c] = row[_N + i] + base
-        if row[2 * _N + i] + base:
-            high_row[c] = row[2 * _N + i] + base
+    # in Category's order, as the dispatch mode's tallies list them; categories at 0 left out
+    peak_row = {c: v for c, i in _ORDER if (v := row[i] + still[i])}
+    end_row = {c: v for c, i in _ORDER if (v := row[_N + i] + still[i])}
+    high_row = {c: v for c, i in _ORDER if (v := row[2 * _N + i] + still[i])}
 
     # the timeline's points, written by the library straight into the arrays the Tally keeps
-    totals: array[int] = array("q", bytes(8 * points))
-    times: array[float] = array("d", bytes(8 * points))
-    phases: array[int] = array("b", bytes(points))
+    totals: array[int] = _ZEROS[0] * points
+    times: array[float] = _ZEROS[1] * points
+    phases: array[int] = _ZEROS[2] * points
     if points:
         at = (totals.buffer_info()[0], times.buffer_info()[0], phases.buffer_info()[0])
         lib.mn_points(*at, points, before)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import weakref
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import torch
 
 from memlab.core.categories import Category
+
+_PARAMS = itemgetter("params")
 
 
 def name_optimizer(
@@ -19,14 +23,13 @@ def name_optimizer(
     state changed since ``named`` last saw it: a state made at a first step, a state_dict
     loaded (a new dict), a state tensor the step replaces (Adafactor's)."""
     groups, state = opt.param_groups, opt.state
+    try:  # (in C, for every parameter: this runs at every region's end)
+        values = list(chain.from_iterable(map(dict.values, state.values())))
+    except TypeError:  # a state that is not a dict
+        values = [v for st in state.values() if isinstance(st, dict) for v in st.values()]
     seen = [id(groups), len(groups), id(state), len(state)]
-    for group in groups:
-        seen.append(len(group["params"]))
-    for st in state.values():  # (loops: they run at every region's end, for every parameter)
-        if isinstance(st, dict):
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    seen.append(id(v))
+    seen += map(len, map(_PARAMS, groups))
+    seen += map(id, values)  # (a number's too: a new one named again, as a new tensor is)
     if named.get(opt) == seen:
         return
     for group in groups:
