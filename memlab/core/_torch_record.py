@@ -275,6 +275,11 @@ def storage_address(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
+def tensor_address(t: torch.Tensor) -> int:
+    """The C++ ``TensorImpl`` behind a tensor: how the native record names it. Checked 2.13."""
+    return int(t._cdata)
+
+
 def raw_op(overload: Any) -> Any:
     """The C++ callable behind an ``OpOverload`` (called without the Python wrapper's frame:
     a saved-tensor hook runs once per saved tensor). Checked 2.13."""

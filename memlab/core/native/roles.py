@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch, transforms
-from memlab.core._torch_record import GlobalHooks, raw_op, storage_address
+from memlab.core._torch_record import GlobalHooks, raw_op, storage_address, tensor_address
 from memlab.core.categories import PRIORITY, STICKY, Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native import pack
@@ -84,8 +84,7 @@ class NativeRoles(Roles):
         self._hooks = GlobalHooks(
             self._module_pre, self._module_post, self._optimizer_pre, self._optimizer_post
         )
-        #: The open module calls (the forward phase lasts while one is open).
-        hooks = self._hooks
+        hooks = self._hooks  # (the forward phase lasts while a module call is open: `Outer`)
         self._outer = Outer(self._set_phase, hooks.install_post, hooks.pause_pre, hooks.resume_pre)
         self._caches_out: Callable[[], None] = _NOTHING  # (`install` names the KV caches)
 
@@ -271,7 +270,7 @@ class NativeRoles(Roles):
             if isinstance(t, torch.nn.Parameter):
                 self.mark(t, Category.PARAMETER)
             else:  # (not asked about again)
-                self.lib.mn_plain(t._cdata)
+                self.lib.mn_plain(tensor_address(t))
         stepped, self._stepped = self._stepped, []
         watched: list[torch.optim.Optimizer] = []
         if len(self._optimizers):  # (named once by `watch`; their state may be new)
