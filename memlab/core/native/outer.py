@@ -165,7 +165,10 @@ class Outer:
             hooks = found.get(name)
             if hooks is not None:
                 hooks.pop(self._id, None)
-        pre = found.get(_PRE)
+        self._detach_pre(module)
+
+    def _detach_pre(self, module: torch.nn.Module) -> None:
+        pre = module.__dict__.get(_PRE)
         if pre is not None:
             pre.pop(self._pre_id, None)
 
@@ -186,9 +189,7 @@ class Outer:
         if sys.exc_info()[0] is None or (hooks is not None and len(hooks) == 1):
             self._detach(module)
         else:  # (taken off at the next outermost call, or at the region's end)
-            pre = module.__dict__.get(_PRE)
-            if pre is not None:
-                pre.pop(self._pre_id, None)
+            self._detach_pre(module)
             self._stale = module
         self._resume()
         self._changed()

@@ -1102,26 +1102,37 @@ void forget_reported() {
   sticky.clear();
 }
 
+// The pointer a weakly held entry of a set, or of a map by its key, is about.
+template <class P>
+P* key_of(P* p) {
+  return p;
+}
+template <class P, class V>
+P* key_of(const std::pair<P* const, V>& kv) {
+  return kv.first;
+}
+
+// Takes the entries whose object died out of `c` (a set, or a map by its key), their weak
+// references into `release` (let go outside the lock).
+template <class C, class P>
+void drop_dead(C& c, std::vector<P*>& release) {
+  for (auto it = c.begin(); it != c.end();) {
+    P* p = key_of(*it);
+    if (c10::raw::weak_intrusive_ptr::use_count(p) == 0) {
+      release.push_back(p);
+      it = c.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void prune_reported() {
   if (reported.size() < prune_at) {
     return;
   }
-  for (auto it = reported.begin(); it != reported.end();) {
-    if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
-      to_release.push_back(*it);
-      it = reported.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  for (auto it = sticky.begin(); it != sticky.end();) {
-    if (c10::raw::weak_intrusive_ptr::use_count(it->first) == 0) {
-      to_release.push_back(it->first);
-      it = sticky.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  drop_dead(reported, to_release);
+  drop_dead(sticky, to_release);
   prune_at = 2 * reported.size() + 4096;
 }
 
@@ -1129,14 +1140,7 @@ void prune_plain() {
   if (plain.size() < plain_prune_at) {
     return;
   }
-  for (auto it = plain.begin(); it != plain.end();) {
-    if (c10::raw::weak_intrusive_ptr::use_count(*it) == 0) {
-      to_release_impls.push_back(*it);
-      it = plain.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  drop_dead(plain, to_release_impls);
   plain_prune_at = 2 * plain.size() + 4096;
 }
 
@@ -2133,15 +2137,10 @@ int64_t mn_tally(const uintptr_t* known, int64_t n, const int64_t* known_sizes,
   // known frees not found in the log: counted at the end (after every event)
   const int64_t end_seq = seq + 1;
   int64_t missing = 0;
-  std::vector<std::pair<uintptr_t, std::pair<int64_t, int>>> left;
-  wanted.each([&](const AddressMap::Slot& slot) {
-    left.push_back({slot.key, {slot.a, slot.b}});
+  wanted.each([&](const AddressMap::Slot& slot) {  // (ent_of_ptr adds to by_ptr, not here)
+    missing += slot.a;
+    evs.push_back({end_seq, ent_of_ptr(slot.key, slot.a, slot.b), 0, -slot.a});
   });
-  for (const auto& kv : left) {
-    missing += kv.second.first;
-    evs.push_back({end_seq, ent_of_ptr(kv.first, kv.second.first, kv.second.second), 0,
-                   -kv.second.first});
-  }
   int64_t unplaced = 0;
   for (const Alloc& a : allocs) {
     if (a.adopted && !a.older_block && a.free_seq < 0 &&
