@@ -98,3 +98,74 @@ def test_a_breakdown_counts_the_storages_a_cell_never_touched(ip: Any) -> None:
     assert at_end[Category.OTHER] == 300 * 400 + 100  # the names untouched, and z
     assert r.breakdown.at_peak == at_end and r.breakdown.highest == at_end
     assert sum(at_end.values()) == r.allocated_after
+
+
+@pytest.fixture(params=["C", "numpy"])
+def scan_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the watch finds what changed: the library's pass over the dict in C, and the
+    values' identities as a numpy array (where the library is not loaded)."""
+    from memlab.core.native import pack, unavailable
+
+    if request.param == "C":
+        if unavailable() is not None or pack.wait() is not None:
+            pytest.skip("memlab's library is not built here")
+        assert pack.namespace_scan() is not None
+    else:
+        monkeypatch.setattr(pack, "_changed", None)
+    return str(request.param)
+
+
+def test_the_watch_finds_exactly_the_names_bound_rebound_or_deleted(scan_path: str) -> None:
+    """Random edits of a namespace (names added, rebound to another object or to the same one,
+    deleted, deleted and bound again, all cleared): each scan names exactly the names whose
+    value is another object than at the last scan, or that came or went."""
+    import random
+
+    rng = random.Random(7)
+    pool = [object() for _ in range(50)]  # (all alive: no address is reused)
+    ns: dict[str, Any] = {f"v{i}": pool[i % 50] for i in range(300)}
+    watch = NamespaceWatch(ns)
+    last = {k: id(v) for k, v in ns.items()}
+    assert watch._changed(ns) == set(last)
+    for round_ in range(200):
+        for _ in range(rng.choice([0, 1, 3, 20])):
+            name = f"v{rng.randrange(400)}"
+            what = rng.random()
+            if what < 0.45:
+                ns[name] = rng.choice(pool)
+            elif what < 0.6 and name in ns:
+                ns[name] = ns[name]  # the same object: not a change
+            elif what < 0.8:
+                ns.pop(name, None)
+            else:
+                value = ns.pop(name, rng.choice(pool))
+                ns[name] = value  # moved to the end
+        if round_ == 150:
+            ns.clear()
+        now = {k: id(v) for k, v in ns.items()}
+        expected = {k for k in now if last.get(k) != now[k]} | (last.keys() - now.keys())
+        assert watch._changed(ns) == expected, round_
+        last = now
+
+
+def test_the_scan_in_c_holds_the_names_only_and_refuses_what_is_not_its_record() -> None:
+    from memlab.core.native import pack, unavailable
+
+    if unavailable() is not None or pack.wait() is not None:
+        pytest.skip("memlab's library is not built here")
+    scan = pack.namespace_scan()
+    value = object()
+    name = "".join(["a", "name"])  # (not interned: its count is this test's)
+    ns = {name: value}
+    held = sys.getrefcount(value), sys.getrefcount(name)
+    keys: list[Any] = []
+    ids = bytearray()
+    assert scan(ns, keys, ids) == [name] and keys == [name] and len(ids) == len(keys) * 8
+    assert sys.getrefcount(value) == held[0]  # the value is not held
+    assert sys.getrefcount(name) == held[1] + 1  # the name is, by the record
+    assert scan(ns, keys, ids) == []
+    assert scan(ns, keys, bytearray(3)) is None  # a record that is not one: compared as dicts
+    assert scan({}, keys, ids) is None  # names deleted
+    for bad in [([], keys, ids), (ns, (), ids), (ns, keys, b"")]:
+        with pytest.raises(TypeError):
+            scan(*bad)

@@ -3,7 +3,8 @@ those directly inside its short lists, tuples and dicts), so that their roles ar
 
 The scan runs at every tracked cell, and a namespace may hold thousands of tensors (and IPython
 adds a name per input, ``_i42``). ``NamespaceWatch`` therefore looks again only at what changed:
-one pass in C over the names and the identities of their values finds the names bound or rebound
+one pass in C over the dict (``changed`` in memlab's library, `memlab.core.native.pack`; where it is
+not loaded, the values' identities compared as one numpy array) finds the names bound or rebound
 since the last scan; only those are examined in Python. Tensors under unchanged names are not
 handed out again: their storages are already in the ledger, alive as long as the name holds them.
 Modules, optimizers, tensors that require grad (a leaf's gradient, the graph behind a model's
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from memlab.core.native import pack
 
 _WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
 
@@ -107,7 +110,7 @@ class NamespaceWatch:
         #: The ledger the handed-out tensors were registered in (the caller's key, unused here).
         self.ledger = ledger
         self._keys: list[Any] = []
-        self._ids: np.ndarray[Any, Any] = np.zeros(0, dtype=np.uintp)
+        self._ids = bytearray()  # (their values' addresses at the last scan, as uintp)
         #: Per name: what is handed out at every call (modules, leaves, container contents).
         self._lasting: dict[Any, list[weakref.ref[Any]]] = {}
         self._containers: set[Any] = set()
@@ -144,16 +147,27 @@ class NamespaceWatch:
 
     def _changed(self, ns: dict[Any, Any]) -> set[Any]:
         """Names bound, rebound or deleted since the last call. The common case (names only
-        added or rebound) compares the values' identities as one array, in C."""
+        added or rebound) is one pass over the dict in C (`pack.namespace_scan`, where memlab's
+        library is loaded; else the values' identities compared as one numpy array)."""
+        scan = pack.namespace_scan()
+        if scan is not None and type(ns) is dict:
+            try:
+                names = scan(ns, self._keys, self._ids)  # (the record brought up to date)
+            except Exception:  # (out of memory: the record is checked below)
+                names = None
+            if names is not None:
+                return set(names)
+        old_keys, before = self._keys, np.frombuffer(bytes(self._ids), dtype=np.uintp)
+        if len(before) != len(old_keys):  # (a record left half made: every name is new)
+            old_keys, before = [], before[:0]
         keys = list(ns)
         ids = identities(ns.values(), len(keys))
-        old_keys, old_ids = self._keys, self._ids
-        self._keys, self._ids = keys, ids
+        self._keys, self._ids = keys, bytearray(ids.tobytes())
         m = len(old_keys)
         if len(keys) >= m and keys[:m] == old_keys:
-            moved = np.flatnonzero(ids[:m] != old_ids).tolist()
+            moved = np.flatnonzero(ids[:m] != before).tolist()
             return {keys[i] for i in moved}.union(keys[m:])
-        old = dict(zip(old_keys, old_ids.tolist(), strict=True))
+        old = dict(zip(old_keys, before.tolist(), strict=True))
         now = dict(zip(keys, ids.tolist(), strict=True))
         return {k for k, _ in now.items() - old.items()} | (old.keys() - now.keys())
 

@@ -9,9 +9,17 @@
 //
 // Built apart from record.cpp because it needs Python's headers and PyTorch's Python layer
 // (its Tensor objects); where it cannot be built, memlab calls the op as before.
+//
+// Also here, as it needs Python's headers too: the notebook namespace's scan at each tracked
+// cell (memlab/magic/namespace.py), one pass over the dict in C where numpy took three.
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <new>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -36,9 +44,94 @@ PyObject* unpack(PyObject* /*self*/, PyObject* arg) {
   return arg;
 }
 
+// changed(ns, keys, ids) -> the names bound or rebound since, or None. `keys` (a list) and `ids`
+// (a bytearray: one uintptr_t per key, its value's address) are the caller's record of `ns` at
+// the last call. Where the names now begin with `keys`, the same objects in the same order, the
+// record is brought up to date in place (the values that changed, the names added) and the
+// names among them whose value is another object are returned, then the names added; else
+// (names deleted or moved) nothing is changed and None is returned: the caller compares the two
+// as dicts. One pass over the dict that allocates nothing while it runs.
+PyObject* changed(PyObject* /*self*/, PyObject* args) {
+  PyObject* ns = nullptr;
+  PyObject* keys = nullptr;
+  PyObject* ids = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyDict_Type, &ns, &PyList_Type, &keys,
+                        &PyByteArray_Type, &ids)) {
+    return nullptr;
+  }
+  const Py_ssize_t width = static_cast<Py_ssize_t>(sizeof(uintptr_t));
+  const Py_ssize_t n = PyDict_Size(ns);
+  const Py_ssize_t m = PyList_GET_SIZE(keys);
+  if (n < m || PyByteArray_GET_SIZE(ids) != m * width) {
+    Py_RETURN_NONE;
+  }
+  std::vector<std::pair<Py_ssize_t, uintptr_t>> moved;  // (position, value's address)
+  std::vector<std::pair<PyObject*, uintptr_t>> added;   // (borrowed name, value's address)
+  try {
+    moved.reserve(16);
+    added.reserve(static_cast<size_t>(n - m));
+    const auto* before = reinterpret_cast<const uintptr_t*>(PyByteArray_AS_STRING(ids));
+    Py_ssize_t pos = 0;
+    Py_ssize_t i = 0;
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    // (no Python code runs in this loop: the vectors allocate outside Python's heap)
+    while (PyDict_Next(ns, &pos, &key, &value)) {
+      const auto at = reinterpret_cast<uintptr_t>(value);
+      if (i < m) {
+        if (PyList_GET_ITEM(keys, i) != key) {
+          Py_RETURN_NONE;
+        }
+        if (before[i] != at) {
+          moved.emplace_back(i, at);
+        }
+      } else {
+        added.emplace_back(key, at);
+      }
+      ++i;
+    }
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  // the names, taken before anything below may run Python code (a collection)
+  PyObject* names = PyList_New(static_cast<Py_ssize_t>(moved.size() + added.size()));
+  if (names == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t k = 0;
+  for (const auto& mv : moved) {
+    PyObject* name = PyList_GET_ITEM(keys, mv.first);
+    Py_INCREF(name);
+    PyList_SET_ITEM(names, k++, name);
+  }
+  for (const auto& ad : added) {
+    Py_INCREF(ad.first);
+    PyList_SET_ITEM(names, k++, ad.first);
+  }
+  // the record, brought up to date (the names added are held by `names` meanwhile)
+  if (PyByteArray_Resize(ids, n * width) != 0) {
+    Py_DECREF(names);
+    return nullptr;
+  }
+  auto* now = reinterpret_cast<uintptr_t*>(PyByteArray_AS_STRING(ids));
+  for (const auto& mv : moved) {
+    now[mv.first] = mv.second;
+  }
+  Py_ssize_t j = m;
+  for (const auto& ad : added) {
+    now[j++] = ad.second;
+    if (PyList_Append(keys, ad.first) != 0) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+  }
+  return names;
+}
+
 PyMethodDef methods[] = {
     {"memlab_pack", pack, METH_O, "memlab's saved-tensor pack hook (tags the saving)."},
     {"memlab_unpack", unpack, METH_O, "memlab's saved-tensor unpack hook (the tensor as is)."},
+    {"memlab_changed", changed, METH_VARARGS, "The names of a dict bound or rebound since."},
 };
 
 }  // namespace
@@ -55,6 +148,11 @@ PyObject* mnp_hooks(void* save) {
     return nullptr;
   }
   return Py_BuildValue("(NN)", p, u);
+}
+
+// The namespace scan (`changed`, above), as a Python function.
+PyObject* mnp_changed() {
+  return PyCFunction_New(&methods[2], nullptr);
 }
 
 }  // extern "C"

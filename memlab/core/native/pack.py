@@ -22,6 +22,7 @@ from memlab.core.native.build import compile_library, library_path, torch_dirs
 _SOURCE = Path(__file__).with_name("pack.cpp")
 _lock = threading.Lock()
 _hooks: tuple[Any, Any] | None = None
+_changed: Any = None  # (the namespace scan, `namespace_scan`)
 _why: str | None = None
 _tried = False
 _builder: list[threading.Thread] = []
@@ -34,6 +35,12 @@ def hooks() -> tuple[Any, Any] | None:
         return _hooks
     start()
     return None
+
+
+def namespace_scan() -> Any:
+    """The notebook namespace's scan in C (``changed`` in pack.cpp; `memlab.magic.namespace`),
+    or None where the library is not loaded (never starts a build: ``%load_ext memlab`` does)."""
+    return _changed
 
 
 def start() -> None:
@@ -64,11 +71,12 @@ def wait() -> str | None:
 
 def _load() -> None:
     """Builds (where needed) and loads the hooks; no lock is held while the compiler runs."""
-    global _hooks, _why, _tried
+    global _hooks, _why, _tried, _changed
     from memlab.core.native import library
 
     pair: tuple[Any, Any] | None = None
     why: str | None = None
+    scan: Any = None
     try:
         lib = library()
         if lib is None:
@@ -82,11 +90,15 @@ def _load() -> None:
         if not (isinstance(got, tuple) and len(got) == 2 and all(map(callable, got))):
             raise RuntimeError(f"the library gave {got!r}, not two hooks")
         pair = got
+        made.mnp_changed.argtypes = []
+        made.mnp_changed.restype = ctypes.py_object
+        scan = made.mnp_changed()
     except Exception as e:  # (any failure: the op stands in, as where it cannot be built)
-        why = f"{type(e).__name__}: {e}"
+        why, scan = f"{type(e).__name__}: {e}", None
     with _lock:
         if not _tried:
             _hooks, _why, _tried = pair, why, True
+            _changed = scan if callable(scan) else None
 
 
 def _python_include() -> Path:
