@@ -169,3 +169,43 @@ def test_the_scan_in_c_holds_the_names_only_and_refuses_what_is_not_its_record()
     for bad in [([], keys, ids), (ns, (), ids), (ns, keys, b"")]:
         with pytest.raises(TypeError):
             scan(*bad)
+
+
+EVIL = """
+class Evil:
+    armed = False
+    def __hash__(self):
+        if Evil.armed: raise RuntimeError('no hash')
+        return 1
+    def __eq__(self, other):
+        if Evil.armed: raise RuntimeError('no eq')
+        return self is other
+class Meta(type):
+    armed = False
+    def __hash__(cls):
+        if Meta.armed: raise RuntimeError('no type hash')
+        return 2
+class Odd(metaclass=Meta):
+    pass
+"""
+
+
+def test_keys_and_types_that_refuse_to_hash_never_stop_a_tracked_cell(
+    ip: Any, scan_path: str
+) -> None:
+    """A key set through globals() whose hash and == raise, and a value whose type's hash
+    raises: the cell still runs, keeps its value and its report, and a tensor bound in an
+    untracked cell is still counted before the next tracked one."""
+    run(ip, EVIL)
+    run(ip, "key = Evil()\nglobals()[key] = torch.zeros(3)\nodd = Odd()")
+    run(ip, "Evil.armed = Meta.armed = True")
+    try:
+        run(ip, "x = torch.zeros(250)")
+        result = run(ip, "%%gpumem -q -o _r\ny = torch.ones(5)\ny.sum()")
+        assert result.success and float(result.result) == 5.0
+        assert ip.user_ns["_r"].allocated_before >= 1000  # (x, seen by the scan)
+        run(ip, "odd2 = Odd()")
+        result = run(ip, "%%gpumem -q\n7")
+        assert result.success and result.result == 7
+    finally:
+        run(ip, "Evil.armed = Meta.armed = False\ndel globals()[key]")

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import operator
 import sys
 import weakref
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,14 @@ def _identities_by_pointer(values: Any, n: int) -> np.ndarray[Any, Any]:
 identities = _identities_by_pointer if sys.implementation.name == "cpython" else _identities_by_map
 
 
+def _names(keys: list[Any]) -> list[str]:
+    return [k for k in keys if type(k) is str]
+
+
+def _named(keys: list[Any], ids: list[int]) -> Iterator[tuple[str, int]]:
+    return ((k, i) for k, i in zip(keys, ids, strict=True) if type(k) is str)
+
+
 class NamespaceWatch:
     """``watchable`` for one namespace, scanning only what changed since the last call.
 
@@ -102,6 +111,9 @@ class NamespaceWatch:
     every module, optimizer and tensor that requires grad, plus the contents of the short
     containers. A name rebound to a new object that happens to reuse the old one's address
     between two calls is not seen as changed; its tensor is counted when a region uses it.
+    Keys that are not strings (``globals()[k] = v``) are not looked at; a value whose type
+    cannot be hashed is passed over, and any other failure makes the scan hand out nothing that
+    time and start afresh at the next (it never raises: the cell runs).
     """
 
     def __init__(self, ns: dict[str, Any], hidden: Container[str] = (), ledger: Any = None) -> None:
@@ -118,6 +130,13 @@ class NamespaceWatch:
         self.waiting: set[Any] = set()
 
     def __call__(self) -> list[Any]:
+        try:
+            return self._scan()
+        except Exception:  # (a hostile object: the next scan starts afresh, the cell still runs)
+            self._keys, self._ids, self.waiting = [], bytearray(), set()
+            return []
+
+    def _scan(self) -> list[Any]:
         ns = self.ns
         changed = self._changed(ns) | self.waiting
         self.waiting = set()
@@ -131,9 +150,12 @@ class NamespaceWatch:
             if name not in ns:
                 continue
             found: list[Any] = []
-            if _examine(name, ns[name], self.hidden, found):
-                self._containers.add(name)
-                continue  # rescanned below, as at every call
+            try:
+                if _examine(name, ns[name], self.hidden, found):
+                    self._containers.add(name)
+                    continue  # rescanned below, as at every call
+            except Exception:  # (a type whose metaclass cannot be compared: not looked at)
+                continue
             for v in found:
                 fresh.append(v)
                 if _lasting(v):
@@ -155,8 +177,8 @@ class NamespaceWatch:
                 names = scan(ns, self._keys, self._ids)  # (the record brought up to date)
             except Exception:  # (out of memory: the record is checked below)
                 names = None
-            if names is not None:
-                return set(names)
+            if names is not None:  # (names are strings: another key, set by `globals()[k]`,
+                return {n for n in names if type(n) is str}  # may not hash again)
         old_keys, before = self._keys, np.frombuffer(bytes(self._ids), dtype=np.uintp)
         if len(before) != len(old_keys):  # (a record left half made: every name is new)
             old_keys, before = [], before[:0]
@@ -164,11 +186,11 @@ class NamespaceWatch:
         ids = identities(ns.values(), len(keys))
         self._keys, self._ids = keys, bytearray(ids.tobytes())
         m = len(old_keys)
-        if len(keys) >= m and keys[:m] == old_keys:
+        if len(keys) >= m and all(map(operator.is_, keys[:m], old_keys)):
             moved = np.flatnonzero(ids[:m] != before).tolist()
-            return {keys[i] for i in moved}.union(keys[m:])
-        old = dict(zip(old_keys, before.tolist(), strict=True))
-        now = dict(zip(keys, ids.tolist(), strict=True))
+            return {keys[i] for i in moved if type(keys[i]) is str}.union(_names(keys[m:]))
+        old = dict(_named(old_keys, before.tolist()))
+        now = dict(_named(keys, ids.tolist()))
         return {k for k, _ in now.items() - old.items()} | (old.keys() - now.keys())
 
     def _keep(self, name: Any, value: Any) -> None:
