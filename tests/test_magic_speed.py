@@ -209,3 +209,25 @@ def test_keys_and_types_that_refuse_to_hash_never_stop_a_tracked_cell(
         assert result.success and result.result == 7
     finally:
         run(ip, "Evil.armed = Meta.armed = False\ndel globals()[key]")
+
+
+def test_a_region_that_cannot_start_still_runs_the_cell_and_says_why(
+    ip: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """memlab's own failure while a tracked cell's region starts: the cell runs, keeps its
+    value and names, and the magic says there is no report and why."""
+    from memlab.core.native import region as native_region
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("memlab's own bug at the start")
+
+    monkeypatch.setattr(native_region.NativeRegion, "start", broken)
+    from memlab.core import recorder
+
+    monkeypatch.setattr(recorder.Recorder, "start", broken)
+    result = run(ip, "%%gpumem -q\nkept = 41\nkept + 1")
+    assert result.success and result.result == 42 and ip.user_ns["kept"] == 41
+    said = capsys.readouterr().out
+    assert "no report for this cell" in said and "memlab's own bug at the start" in said
+    result = run(ip, "%%gpumem -q\nraise KeyError('mine')")  # the cell's own error, as it is
+    assert isinstance(result.error_in_exec, KeyError)

@@ -120,11 +120,15 @@ def has_value(value: Any) -> bool:
 @contextlib.contextmanager
 def measured(region: Any) -> Iterator[None]:
     """``region`` (a `memlab.track`) around a cell. The cell's own exception passes as it is;
-    memlab's own failure to build the report of a cell that ran to its end is not raised (the
-    cell keeps its value; the magic says there is no report). A Ctrl-C while the report is
-    built still reaches the user."""
+    memlab's own failure to start measuring, or to build the report of a cell that ran to its
+    end, is not raised (the cell runs and keeps its value; the magic says there is no report).
+    A Ctrl-C while the region starts or its report is built still reaches the user."""
     __tracebackhide__ = True
-    region.__enter__()
+    try:
+        region.__enter__()
+    except Exception:  # memlab could not start measuring: the cell runs all the same, and the
+        yield  # magic says there is no report, and why (a Ctrl-C still stops it)
+        return
     try:
         yield
     except BaseException as e:

@@ -140,8 +140,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 self._accountant.install()
                 for t in alive(self._inputs):  # told again: the recorders listen now
                     self._accountant.mark(t, Category.INPUT)
-        except BaseException:
+        except BaseException as e:
             self._state = "failed"
+            self._build_error = e  # (what `reports` says)
             overlap_notes(self)  # (no longer open)
             self._teardown()
             raise
@@ -262,6 +263,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         if self._state in ("new", "open"):
             raise misuse("The region is still open: read .report after the `with` block.")
         if self._state == "failed":
+            why = self._build_error
+            if isinstance(why, Exception):  # (a Ctrl-C: as below)
+                raise RuntimeError(f"measuring it could not start ({type(why).__name__}: {why})")
             raise misuse("the region never started: setting it up was stopped or failed")
         if self._reports is None:
             raise RuntimeError("memlab could not build this report.") from self._build_error
