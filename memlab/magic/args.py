@@ -174,6 +174,28 @@ def free_for(name: str | None, ns: dict[str, Any], magic: str) -> None:
     )
 
 
+UNBOUND = object()
+
+
+def bound(name: str | None, ns: dict[str, Any]) -> Any:
+    """What ``-o NAME`` holds before the cell runs (a marker where it is unbound)."""
+    return ns.get(name, UNBOUND) if name else UNBOUND
+
+
+def store(name: str | None, ns: dict[str, Any], value: Any, before: Any, magic: str) -> None:
+    """``-o NAME``: ``value`` stored in NAME, unless the cell itself bound (or deleted) NAME
+    since `bound` read it: the cell's own value wins, and the magic says so."""
+    if not name:
+        return
+    if ns.get(name, UNBOUND) is not before:
+        print(
+            f"memlab: {magic} -o {name}: the cell bound {name!r} itself, which keeps the cell's "
+            "value; the report was not stored (pick another name, for example -o report)."
+        )
+        return
+    ns[name] = value
+
+
 _IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})
 _HISTORY = re.compile(r"_+|_i+|_i?\d+")
 

@@ -20,7 +20,7 @@ from typing import Any
 from IPython.display import display
 
 from memlab.magic.args import Options
-from memlab.magic.tracebacks import show_without_memlab
+from memlab.magic.tracebacks import chained_to, show_without_memlab
 from memlab.reports.report import MemoryReport
 from memlab.reports.units import fmt_bytes, fmt_seconds
 
@@ -69,12 +69,15 @@ class AutoTracking:
         self.opts, self.line = opts, line
         self.sh.events.register("pre_run_cell", hooks[0])
         self.sh.events.register("post_run_cell", hooks[1])
-        if not self.sh.custom_exceptions:  # the user's own handler, if any, stays
-            # an error in a tracked cell reaches IPython through memlab's dispatch mode:
-            # shown without memlab's frames, as under %%gpumem
-            before = (self.sh.custom_exceptions, getattr(self.sh, "CustomTB", None))
-            self.sh.set_custom_exc((Exception, KeyboardInterrupt), show_without_memlab)
-            self._custom_exc = (self.sh.CustomTB, before)
+        # an error in a tracked cell reaches IPython through memlab's dispatch mode: shown
+        # without memlab's frames, as under %%gpumem (the user's own handler, if any, still
+        # handles what it handled, given the traceback without them)
+        before = (self.sh.custom_exceptions, getattr(self.sh, "CustomTB", None))
+        types = tuple(before[0] or ())
+        handler = chained_to(types, before[1]) if types else show_without_memlab
+        caught = tuple(dict.fromkeys((Exception, KeyboardInterrupt, *types)))
+        self.sh.set_custom_exc(caught, handler)
+        self._custom_exc = (self.sh.CustomTB, before)
 
     def off(self, hooks: tuple[Any, Any]) -> None:
         """Removes what ``on`` installed and closes every region still open (no summaries)."""

@@ -16,10 +16,12 @@ from memlab.core.ledger import default_ledger
 from memlab.magic.args import (
     HELP,
     Options,
+    bound,
     free_for,
     parse_auto_line,
     parse_cell_line,
     parse_statement_line,
+    store,
     variable_name,
 )
 from memlab.magic.auto import AutoTracking, cell_number, one_line
@@ -86,6 +88,7 @@ class GpumemMagics(Magics):
             opts, source = parse_cell_line(line), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         free_for(opts.out, self.sh.user_ns, "%gpumem")
+        before = bound(opts.out, self.sh.user_ns)  # (a cell that binds it keeps its value)
         region = self._region(opts)
         flight = self._oom.flight(opts.gpu, self.sh)
         try:
@@ -103,19 +106,24 @@ class GpumemMagics(Magics):
                     # count as still allocated at the cell's end
                     value = NO_VALUE
         except BaseException as e:
-            self._oom.land(flight, opts, self.sh, e, region.lost)
+            self._oom.land(flight, opts, self.sh, e, region.lost, before)
             self._oom.explain(e, region.targets[0].name, self.sh, opts.quiet)
-            self._publish(region, opts)
+            self._publish(region, opts, before)
             without_memlab(e)
             release(e)
             raise
-        self._oom.land(flight, opts, self.sh, lost=region.lost)
+        self._oom.land(flight, opts, self.sh, lost=region.lost, before=before)
         if cell is None:  # the line form returns its value, like %time
-            self._publish(region, opts)
+            self._publish(region, opts, before)
             return value if has_value(value) and not quiet else None
         if has_value(value) and not quiet:
-            sys.displayhook(value)  # Out[n] first, then the report (%%capture swaps it)
-        self._publish(region, opts)
+            try:
+                sys.displayhook(value)  # Out[n] first, then the report (%%capture swaps it)
+            except BaseException as e:  # (IPython's: a namespace the cell cleared)
+                self._publish(region, opts, before)
+                without_memlab(e)
+                raise
+        self._publish(region, opts, before)
         return None
 
     def _region(self, opts: Options) -> track:
@@ -139,7 +147,7 @@ class GpumemMagics(Magics):
         except DeviceError as e:
             raise UsageError(f"%gpumem -d: {e}") from None
 
-    def _publish(self, region: track, opts: Options) -> None:
+    def _publish(self, region: track, opts: Options, before: Any) -> None:
         try:
             reports = region.reports
         except RuntimeError as e:
@@ -157,15 +165,15 @@ class GpumemMagics(Magics):
         for r in reports:
             self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
-        if opts.out and not opts.gpu:  # with --gpu, -o keeps the pre-flight
-            self.sh.user_ns[opts.out] = result
+        if not opts.gpu:  # with --gpu, -o keeps the pre-flight
+            store(opts.out, self.sh.user_ns, result, before, "%gpumem")
         if opts.quiet:
             return
         display(result)
         if opts.timeline:
             for r in reports:
                 if r.timeline is not None and len(r.timeline):
-                    display(_png(r.plot()))
+                    _show_plot(r.plot, "timeline plot for this cell")
 
     # -- %gpumem_history ------------------------------------------------------------------------
     @line_magic
@@ -204,7 +212,7 @@ class GpumemMagics(Magics):
             self.sh.user_ns[out] = self.history
         display(self.history)
         if "--no-plot" not in args and len(self.history):
-            display(_png(self.history.plot()))
+            _show_plot(self.history.plot, "plot of the history")
 
     # -- %gpumem_leaks --------------------------------------------------------------------------
     @line_magic
@@ -279,3 +287,14 @@ class GpumemMagics(Magics):
 
 def _png(fig: Any) -> Image:
     return Image(data=png(fig), format="png")
+
+
+def _show_plot(plot: Any, what: str) -> None:
+    """A figure drawn and shown as a PNG; where matplotlib fails (a text.usetex setting with
+    no LaTeX, a recursion limit set low), said instead of failing the cell that ran."""
+    try:
+        image = _png(plot())
+    except Exception as e:
+        print(f"memlab: no {what}: matplotlib could not draw it ({type(e).__name__}: {e}).")
+        return
+    display(image)

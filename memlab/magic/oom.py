@@ -14,6 +14,8 @@ import torch
 from IPython.core.error import UsageError
 from IPython.display import display
 
+from memlab.magic.args import UNBOUND, store
+
 
 class OOMHooks:
     """``preflight(spec, namespace, hidden)`` returns a flight (``start(filename)``,
@@ -40,6 +42,7 @@ class OOMHooks:
         shell: Any,
         raised: BaseException | None = None,
         lost: int = 0,
+        before: Any = UNBOUND,
     ) -> None:
         """The pre-flight's verdict, shown before the cell's report (and its traceback), and
         kept in ``-o NAME``; ``lost``: ops the accounting failed to take in (no verdict)."""
@@ -50,8 +53,7 @@ class OOMHooks:
         except Exception as e:  # never hide the cell's own outcome behind ours
             print(f"memlab: no pre-flight for this cell: {e}.")
             return
-        if opts.out:
-            shell.user_ns[opts.out] = result
+        store(opts.out, shell.user_ns, result, before, "%gpumem")
         if not opts.quiet:
             display(result)
 

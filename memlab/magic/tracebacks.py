@@ -8,7 +8,7 @@ from typing import Any
 
 from memlab.core.frames import without_memlab
 
-__all__ = ["show_without_memlab", "without_memlab"]
+__all__ = ["chained_to", "show_without_memlab", "without_memlab"]
 
 
 def show_without_memlab(
@@ -27,3 +27,19 @@ def show_without_memlab(
         except Exception:
             print(f"{etype.__name__}: <its message could not be shown>", file=sys.stderr)
     return []
+
+
+def chained_to(types: tuple[type[BaseException], ...], theirs: Any) -> Any:
+    """`show_without_memlab` in front of the user's own custom exception handler (``theirs``,
+    for ``types``, as IPython keeps it): the exceptions it handles reach it without memlab's
+    frames, the others are shown as IPython shows them, without memlab's frames too."""
+
+    def handler(
+        shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None
+    ) -> Any:
+        if issubclass(etype, types):
+            without_memlab(value)
+            return theirs(etype, value, value.__traceback__, tb_offset=tb_offset)
+        return show_without_memlab(shell, etype, value, tb, tb_offset)
+
+    return handler

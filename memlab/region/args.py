@@ -4,12 +4,15 @@ model passed as ``watch`` is callable, and was called as if it were a function).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
+
+from memlab.core.frames import misuse
 
 #: What a region can watch: tensors, modules and optimizers.
 WATCHABLE = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
@@ -80,10 +83,23 @@ def weak_refs(name: str, objects: Any, kinds: tuple[type, ...], what: str) -> li
         raise TypeError(f"memlab.track: {name} is {_what(objects)}: pass a list of {what}.")
     refs = []
     for i, obj in enumerate(objects):
+        if i == MAX_OBJECTS:
+            raise _endless(name, what)
         if not issubclass(type(obj), kinds):
             raise TypeError(f"memlab.track: {name}[{i}] is {_what(obj)}: pass {what} only.")
         refs.append(weakref.ref(obj))
     return refs
+
+
+#: Objects a ``watch`` or ``inputs`` gives at most: past it, an endless iterator is suspected.
+MAX_OBJECTS = 1_000_000
+
+
+def _endless(name: str, what: str) -> ValueError:
+    return ValueError(
+        f"memlab.track: {name} gave more than {MAX_OBJECTS:,} objects (an endless generator?): "
+        f"pass a list of {what}."
+    )
 
 
 def watched(value: Any) -> Callable[[], Iterable[Any]] | list[weakref.ref[Any]]:
@@ -105,8 +121,21 @@ def called(fn: Callable[[], Any]) -> Iterable[Any]:
     """What a ``watch`` function returned, if it is something to iterate over."""
     found = fn()
     if isinstance(found, Iterable) and not isinstance(found, (str, bytes)):
-        return found
+        if isinstance(found, list):
+            return found
+        listed = list(itertools.islice(found, MAX_OBJECTS + 1))
+        if len(listed) > MAX_OBJECTS:
+            raise _endless("the watch function", "tensors, modules and optimizers")
+        return listed
     raise TypeError(
         f"memlab.track: the watch function returned {_what(found)}: return a list of tensors, "
         "modules and optimizers."
     )
+
+
+def not_started(why: BaseException | None) -> RuntimeError:
+    """What reading the report of a region that never started raises: memlab's own failure
+    while it started, named; else (a Ctrl-C) the user's misuse."""
+    if isinstance(why, Exception):
+        return RuntimeError(f"measuring it could not start ({type(why).__name__}: {why})")
+    return misuse("the region never started: setting it up was stopped or failed")

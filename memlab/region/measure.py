@@ -263,10 +263,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         if self._state in ("new", "open"):
             raise misuse("The region is still open: read .report after the `with` block.")
         if self._state == "failed":
-            why = self._build_error
-            if isinstance(why, Exception):  # (a Ctrl-C: as below)
-                raise RuntimeError(f"measuring it could not start ({type(why).__name__}: {why})")
-            raise misuse("the region never started: setting it up was stopped or failed")
+            raise region_args.not_started(self._build_error)
         if self._reports is None:
             raise RuntimeError("memlab could not build this report.") from self._build_error
         return self._reports

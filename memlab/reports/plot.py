@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
 from memlab.core.choices import Source
+from memlab.core.frames import the_users
 from memlab.reports.units import mib
 
 if TYPE_CHECKING:
@@ -81,8 +82,16 @@ def _themed(fig: Figure) -> Figure:
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
-        fig = ax.get_figure()
-        assert fig is not None
+        from matplotlib.axes import Axes as _Axes
+
+        fig = ax.get_figure() if isinstance(ax, _Axes) else None
+        if fig is None:
+            e = TypeError(
+                f"plot: ax is {type(ax).__name__}: pass a matplotlib Axes on a figure "
+                "(fig.add_subplot()), or leave ax out for a new figure."
+            )
+            the_users(e)
+            raise e
         return fig, ax  # type: ignore[return-value]
     fig = figure_class()(figsize=size, layout="constrained", facecolor="none")
     return fig, fig.add_subplot()

@@ -179,6 +179,7 @@ class MemoryReport(Result):
 
         return render_html(self)
 
+    @users_traceback()  # (an ax refused: said without memlab's frames)
     def plot(self, ax: Axes | None = None) -> Figure:
         """The timeline as a matplotlib figure (needs ``timeline=True`` when measuring)."""
         from memlab.reports.plot import plot_timeline

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memlab.core.categories import Category
+from memlab.core.frames import users_traceback
 from memlab.reports.frame import CELL, GROW, LEFT, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.text import columns
@@ -208,6 +209,7 @@ class Comparison(Result):
             + (f"\n{table_html(self.results)}" if sharded(self.results) else "")
         )
 
+    @users_traceback()  # (an ax refused: said without memlab's frames)
     def plot(self, ax: Axes | None = None) -> Figure:
         """Stacked bars: each run's bytes by category at its peak, numbered as in the table; a
         run over several ranks draws one rank's (the figure its budget judges)."""

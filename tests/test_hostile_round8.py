@@ -1,0 +1,145 @@
+"""Hostile inputs, round 8 (found by a review that drove a real kernel): ``-o NAME`` where the
+cell binds NAME itself, a timeline plot matplotlib cannot draw, a cell that clears its own
+namespace before its value is shown, a watch that never ends, a plot given something that is
+not an Axes."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+
+import memlab
+from memlab.region import args as region_args
+
+
+def _memlab_lines(e: BaseException) -> list[str]:
+    here = os.path.basename(__file__)
+    return [
+        line
+        for line in traceback.format_exception(e)
+        if f"{os.sep}memlab{os.sep}" in line and here not in line
+    ]
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        "%%gpumem -q -o model\nmodel = torch.nn.Linear(3, 3)",
+        "%%gpumem -q -o np\nimport numpy as np",
+        "%%gpumem -q -o f\ndef f():\n    return 1",
+        "%gpumem -q -o model model = torch.nn.Linear(3, 3)",
+    ],
+    ids=["module", "import", "def", "line-form"],
+)
+def test_a_name_the_cell_binds_itself_keeps_the_cells_value(
+    ip: Any, cell: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = cell.split("-o ")[1].split()[0]
+    ip.user_ns.pop(name, None)
+    result = run(ip, cell)
+    assert result.success
+    assert type(ip.user_ns[name]).__name__ != "MemoryReport"
+    assert f"-o {name}: the cell bound {name!r} itself" in capsys.readouterr().out
+    # a name the cell leaves alone still gets the report, replacing an earlier one
+    run(ip, "%%gpumem -q -o _r8\nz = torch.ones(3)")
+    first = ip.user_ns["_r8"]
+    run(ip, "%%gpumem -q -o _r8\nz = torch.ones(4)")
+    assert type(ip.user_ns["_r8"]).__name__ == "MemoryReport" and ip.user_ns["_r8"] is not first
+    ip.user_ns.pop(name, None)
+
+
+def test_a_timeline_plot_matplotlib_cannot_draw_leaves_the_cell_ok(
+    ip: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memlab.reports import report
+
+    def broken(self: Any, ax: Any = None) -> Any:
+        raise RuntimeError("Failed to process string with tex because latex could not be found")
+
+    monkeypatch.setattr(report.MemoryReport, "plot", broken)
+    result = run(ip, "%%gpumem -t\nq = torch.ones(3000)\nr = q * 2\nr.sum()")
+    assert result.success and float(result.result) == 6000.0
+    said = capsys.readouterr().out
+    assert "no timeline plot for this cell" in said and "latex could not be found" in said
+    from memlab.magic import history
+
+    monkeypatch.setattr(history.History, "plot", lambda self: broken(self))
+    result = run(ip, "%gpumem_history")
+    assert result.success
+    assert "no plot of the history" in capsys.readouterr().out
+
+
+def test_a_cell_that_clears_its_namespace_raises_ipythons_error_without_memlabs_frames(
+    ip: Any,
+) -> None:
+    saved = dict(ip.user_ns)
+    try:
+        result = run(ip, "%%gpumem -q\nglobals().clear()\n1")
+        assert isinstance(result.error_in_exec, KeyError)
+        assert _memlab_lines(result.error_in_exec) == []
+    finally:
+        ip.user_ns.update(saved)
+
+
+def test_a_watch_that_never_ends_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(region_args, "MAX_OBJECTS", 1000)
+
+    def endless() -> Any:
+        while True:
+            yield torch.ones(1)
+
+    with pytest.raises(ValueError, match="watch gave more than 1,000 objects"):
+        memlab.track("cpu", watch=endless())
+    with pytest.raises(ValueError, match="watch function gave more than 1,000 objects"):
+        with memlab.track("cpu", watch=lambda: endless()):
+            pass
+    kept = [torch.ones(2) for _ in range(10)]
+    with memlab.track("cpu", watch=(t for t in kept), breakdown=True) as t:  # a finite one
+        y = kept[0] * 2
+    assert t.report.allocated_after >= y.nbytes
+
+
+def test_a_plot_given_something_that_is_no_axes_names_the_argument() -> None:
+    with memlab.track("cpu", timeline=True) as t:
+        x = torch.ones(100)
+    del x
+    with pytest.raises(TypeError, match="plot: ax is int: pass a matplotlib Axes") as e:
+        t.report.plot(ax=5)
+    assert _memlab_lines(e.value) == []
+
+
+def test_auto_mode_keeps_memlabs_frames_out_beside_the_users_own_exception_handler(
+    ip: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's handler for KeyError was installed first: under the dispatch mode a tracked
+    cell's error passes memlab's frames; neither the handler's KeyError nor another error
+    shows them, the handler still handles its own, and `off` puts it back as it was."""
+    monkeypatch.setenv("MEMLAB_NATIVE", "0")  # (the dispatch mode: its frames are in the way)
+    seen: list[list[str]] = []
+
+    def theirs(shell: Any, etype: Any, value: Any, tb: Any, tb_offset: Any = None) -> Any:
+        seen.append(traceback.format_exception(etype, value, tb))
+        return ["handled by the user's handler"]
+
+    ip.set_custom_exc((KeyError,), theirs)
+    users = ip.CustomTB
+    try:
+        run(ip, "%gpumem_auto on -d cpu")
+        capsys.readouterr()
+        run(ip, "torch.ones(3) @ torch.ones(4)")
+        shown = capsys.readouterr()
+        text = shown.out + shown.err
+        assert "RuntimeError" in text and f"{os.sep}memlab{os.sep}" not in text
+        run(ip, "def lookup(t):\n    return {}[t.sum().item()]\nlookup(torch.ones(2) * 2)")
+        assert len(seen) == 1 and "KeyError" in seen[0][-1]
+        assert not any(f"{os.sep}memlab{os.sep}" in line for line in seen[0])
+        run(ip, "%gpumem_auto off")
+        assert ip.CustomTB is users and ip.custom_exceptions == (KeyError,)
+    finally:
+        run(ip, "%gpumem_auto off")
+        ip.set_custom_exc((), None)
