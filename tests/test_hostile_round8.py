@@ -143,3 +143,49 @@ def test_auto_mode_keeps_memlabs_frames_out_beside_the_users_own_exception_handl
     finally:
         run(ip, "%gpumem_auto off")
         ip.set_custom_exc((), None)
+
+
+SELF_CHECK = """
+import torch, memlab
+from torch.overrides import TorchFunctionMode
+from memlab.core import native
+
+seen, calls = [], []
+
+def pack(t):
+    seen.append(tuple(t.shape))
+    if tuple(t.shape) in ((4, 16), (4, 8)):
+        raise RuntimeError("my pack hook refuses " + str(tuple(t.shape)))
+    return t
+
+class Count(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+w = torch.ones(3, 5, requires_grad=True)
+torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t).__enter__()
+Count().__enter__()
+with memlab.track("cpu", breakdown=True) as t:
+    (w * 2).sum().backward()
+print("UNAVAILABLE", native.unavailable())
+print("SEEN", sorted(set(seen)))
+print("LINSPACE", "linspace" in calls)
+"""
+
+
+def test_the_native_records_self_check_never_meets_the_programs_hooks_or_modes() -> None:
+    """The program's saved-tensor hooks (which refuse memlab's check's tensors) and its
+    function mode are in force at the first breakdown: the check runs apart from them, the
+    record stays on, and neither sees the check's work."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", SELF_CHECK], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "UNAVAILABLE None" in out, out
+    assert "(4, 16)" not in out and "(4, 8)" not in out
+    assert "LINSPACE False" in out

@@ -12,6 +12,7 @@ why.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,22 @@ def _dispatch(keep: bool) -> tuple[Any, ...]:
 
 def self_check(lib: Any) -> str | None:
     """None where the native record and the dispatch mode agree on the check's step, else what
-    each measured (before, after, peak; with a breakdown, the categories too)."""
+    each measured (before, after, peak; with a breakdown, the categories too). Run on a thread
+    of its own: the program's saved-tensor hooks, function modes and grad mode are its own
+    thread's, and a hook that refuses the check's tensors must not turn the record off (nor
+    see memlab's tensors at all). A Ctrl-C waits for the check (a few milliseconds)."""
+    said: list[str | None] = []
+    thread = threading.Thread(target=lambda: said.append(_check(lib)), name="memlab-self-check")
+    thread.start()
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        thread.join()  # (the record must be free again before the Ctrl-C goes on)
+        raise
+    return said[0] if said else "its self-check did not finish"
+
+
+def _check(lib: Any) -> str | None:
     for keep in (False, True):
         try:  # (under the caller's no_grad or inference mode, the step's backward would fail)
             with torch.inference_mode(False), torch.enable_grad():
