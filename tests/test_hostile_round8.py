@@ -95,9 +95,9 @@ def test_a_watch_that_never_ends_is_refused_naming_it(monkeypatch: pytest.Monkey
 
     with pytest.raises(ValueError, match="watch gave more than 1,000 objects"):
         memlab.track("cpu", watch=endless())
+    region = memlab.track("cpu", watch=lambda: endless())
     with pytest.raises(ValueError, match="watch function gave more than 1,000 objects"):
-        with memlab.track("cpu", watch=lambda: endless()):
-            pass
+        region.__enter__()
     kept = [torch.ones(2) for _ in range(10)]
     with memlab.track("cpu", watch=(t for t in kept), breakdown=True) as t:  # a finite one
         y = kept[0] * 2
@@ -189,3 +189,30 @@ def test_the_native_records_self_check_never_meets_the_programs_hooks_or_modes()
     assert "UNAVAILABLE None" in out, out
     assert "(4, 16)" not in out and "(4, 8)" not in out
     assert "LINSPACE False" in out
+
+
+def test_control_characters_in_a_label_are_written_as_escapes_in_the_text(ip: Any) -> None:
+    """A label with a NUL and an ANSI escape: the plain-text report and history write them as
+    escapes (a terminal would act on them); the label itself is kept as given."""
+    label = "b\x00c\x1b[2J<script>"
+    ip.user_ns["lab"] = label
+    run(ip, "%%gpumem -q -l $lab -o _r8c\nz = torch.ones(3)")
+    report = ip.user_ns["_r8c"]
+    assert report.label == label
+    for text in (str(report), str(ip.user_ns["_r8c"]), repr(report)):
+        assert "\x00" not in text and "\x1b" not in text
+    assert "\\x1b[2J" in str(report)
+    run(ip, "%gpumem_history -o _h8 --no-plot")
+    history = str(ip.user_ns["_h8"])
+    assert "\x1b" not in history and "\\x00" in history
+
+
+def test_a_label_of_several_words_after_l_says_how_to_give_it(ip: Any) -> None:
+    from IPython.core.error import UsageError
+
+    from memlab.magic.args import parse_cell_line
+
+    with pytest.raises(UsageError, match="-l takes one word; 'words' came after -l two"):
+        parse_cell_line("-q -l two words")
+    assert parse_cell_line("-q -l 'two words'").label == "two words"
+    assert parse_cell_line("-q two words").label == "two words"

@@ -174,7 +174,7 @@ def test_timeline_draws_a_plot(ip: Any) -> None:
         ("-d cuda:3", "cuda"),
         ("-q -t", "-q shows nothing"),
         ("-o 1abc", "variable name"),
-        ("-l one two", "not both"),
+        ("-l one two", "-l takes one word"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors_and_nothing_runs(

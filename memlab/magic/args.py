@@ -118,7 +118,8 @@ class Options:
 def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
     if ns.label is not None and label_words:
         raise UsageError(
-            "%gpumem: give the label either as words after the options or with -l, not both."
+            f"%gpumem: -l takes one word; {' '.join(label_words)!r} came after -l {ns.label}: "
+            "quote a label of several words (-l 'two words'), or give them without -l."
         )
     label = ns.label if ns.label is not None else (" ".join(label_words) or None)
     if ns.quiet and ns.timeline:
@@ -185,15 +186,13 @@ def bound(name: str | None, ns: dict[str, Any]) -> Any:
 def store(name: str | None, ns: dict[str, Any], value: Any, before: Any, magic: str) -> None:
     """``-o NAME``: ``value`` stored in NAME, unless the cell itself bound (or deleted) NAME
     since `bound` read it: the cell's own value wins, and the magic says so."""
-    if not name:
-        return
-    if ns.get(name, UNBOUND) is not before:
+    if name and ns.get(name, UNBOUND) is not before:
         print(
             f"memlab: {magic} -o {name}: the cell bound {name!r} itself, which keeps the cell's "
             "value; the report was not stored (pick another name, for example -o report)."
         )
-        return
-    ns[name] = value
+    elif name:
+        ns[name] = value
 
 
 _IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})

@@ -10,10 +10,20 @@ A result implements three methods and inherits the rest:
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from memlab.reports.frame import frame
+
+#: Control characters but the line break and the tab (C0, DEL, C1): a label or a model's name
+#: holding them would act on a terminal (an ANSI escape clears it; a NUL cuts a log's line).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character but ``\\n`` and ``\\t`` written as its escape."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class Result(ABC):
@@ -36,13 +46,13 @@ class Result(ABC):
         """JSON-safe plain data."""
 
     def __str__(self) -> str:
-        return self.text()
+        return printable(self.text())
 
     def _repr_html_(self) -> str:
         return frame(self.html(), self.css)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
+        p.text(printable(self.text()))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # IPython's pretty printer takes a class's own __repr__ (a dataclass writes one) before
