@@ -16,14 +16,14 @@ from conftest import run
 import memlab
 from memlab.region import args as region_args
 
+#: memlab's own files (a checkout's path may hold "memlab" elsewhere too).
+MEMLAB_DIR = os.path.dirname(memlab.__file__) + os.sep
+
 
 def _memlab_lines(e: BaseException) -> list[str]:
-    here = os.path.basename(__file__)
-    return [
-        line
-        for line in traceback.format_exception(e)
-        if f"{os.sep}memlab{os.sep}" in line and here not in line
-    ]
+    """The frames of ``e``'s traceback in memlab's own files."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return [f.filename for f in frames if f.filename.startswith(MEMLAB_DIR)]
 
 
 @pytest.mark.parametrize(
