@@ -216,3 +216,26 @@ def test_a_label_of_several_words_after_l_says_how_to_give_it(ip: Any) -> None:
         parse_cell_line("-q -l two words")
     assert parse_cell_line("-q -l 'two words'").label == "two words"
     assert parse_cell_line("-q two words").label == "two words"
+
+
+@pytest.mark.parametrize("collector", ["on", "off"])
+def test_many_survivors_are_counted_and_the_collector_is_left_as_it_was(collector: str) -> None:
+    """20,000 small tensors made in a region and kept: each counted to the byte, and Python's
+    collector (held off while memlab registers them) is on or off after as it was before."""
+    import gc
+
+    from memlab.core.native import unavailable
+
+    if unavailable() is not None:
+        pytest.skip("no native record here")
+    was = gc.isenabled()
+    if collector == "off":
+        gc.disable()
+    try:
+        with memlab.track("cpu") as t:
+            kept = [torch.ones(1) for _ in range(20_000)]
+        assert gc.isenabled() is (collector == "on")
+        assert t.report.allocated_delta == sum(k.untyped_storage().nbytes() for k in kept)
+    finally:
+        if was:
+            gc.enable()

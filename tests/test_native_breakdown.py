@@ -1132,7 +1132,8 @@ def test_a_build_of_the_hooks_in_c_under_way_never_holds_a_region_up(
         time.sleep(2.0)
         raise RuntimeError("compiling the C hooks failed: (a test's)")
 
-    for name, value in (("_hooks", None), ("_why", None), ("_tried", False), ("_builder", [])):
+    fresh = {"_hooks": None, "_changed": None, "_why": None, "_tried": False, "_builder": []}
+    for name, value in fresh.items():
         monkeypatch.setattr(pack, name, value)
     monkeypatch.setattr(pack, "_target", lambda: tmp_path / "not-built.so")
     monkeypatch.setattr(pack, "_build", slow_build)
