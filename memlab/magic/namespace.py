@@ -97,6 +97,7 @@ identities = _identities_by_pointer if sys.implementation.name == "cpython" else
 
 
 def _names(keys: list[Any]) -> list[str]:
+    """The keys that are names (strings): the watch looks at no other."""
     return [k for k in keys if type(k) is str]
 
 
@@ -178,7 +179,7 @@ class NamespaceWatch:
             except Exception:  # (out of memory: the record is checked below)
                 names = None
             if names is not None:  # (names are strings: another key, set by `globals()[k]`,
-                return {n for n in names if type(n) is str}  # may not hash again)
+                return set(_names(names))  # may not hash again)
         old_keys, before = self._keys, np.frombuffer(bytes(self._ids), dtype=np.uintp)
         if len(before) != len(old_keys):  # (a record left half made: every name is new)
             old_keys, before = [], before[:0]

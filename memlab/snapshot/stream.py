@@ -22,12 +22,12 @@ drain; returning False stops the reading there (the events so far are kept).
 
 from __future__ import annotations
 
-import gc
 import gzip
 import os
 from collections.abc import Callable
 from typing import Any, cast
 
+from memlab.core.collector import hold_collector
 from memlab.snapshot.collect import READ, Collector, Frames
 from memlab.snapshot.limits import MAX_DEVICES, check_counts
 from memlab.snapshot.memo import replace_memo
@@ -234,8 +234,8 @@ def stream(
         if progress is not None:
             drain.progress = lambda: progress(raw.tell(), size)  # compressed bytes if gzipped
         tap.hook = drain
-        collecting, failed = gc.isenabled(), None
-        gc.disable()
+        failed = None
+        release = hold_collector()
         try:
             data = loader.load()
             tap.hook = None
@@ -269,8 +269,7 @@ def stream(
             ) from e
         finally:
             tap.hook = None
-            if collecting:
-                gc.enable()
+            release()
     if failed is not None:
         raise failed
     if not isinstance(data, dict) or "segments" not in data:

@@ -9,7 +9,6 @@ rest, at its own speed.
 
 from __future__ import annotations
 
-import gc
 import gzip
 import os
 import pickle
@@ -17,6 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
+from memlab.core.collector import hold_collector
 from memlab.core.frames import users_traceback
 
 
@@ -85,8 +85,7 @@ def read(path: str | os.PathLike[str], check_memory: bool = True) -> dict[str, A
         if check_memory:
             _check_memory(p, p.stat().st_size * (4 if gzipped else 1))
         f: Any = gzip.GzipFile(fileobj=raw) if gzipped else raw
-        collecting = gc.isenabled()
-        gc.disable()
+        release = hold_collector()
         try:
             data = SafeUnpickler(f, str(p)).load()
             read_to_the_end(f, p)
@@ -98,8 +97,7 @@ def read(path: str | os.PathLike[str], check_memory: bool = True) -> dict[str, A
                 "torch.cuda.memory._dump_snapshot."
             ) from e
         finally:
-            if collecting:
-                gc.enable()
+            release()
     if not isinstance(data, dict) or "segments" not in data:
         raise SnapshotError(
             f"{p} holds a {type(data).__name__} without 'segments', not a memory snapshot: pass "

@@ -4,7 +4,6 @@ predate it, and the storages its ops returned that are alive."""
 from __future__ import annotations
 
 import ctypes
-import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from memlab.core._torch_record import storage_from_weak
+from memlab.core.collector import hold_collector
 from memlab.core.ledger import Entry, Ledger
 from memlab.core.native.frees import ON_CPU
 from memlab.core.native.objects import HANDED, saved_aliases
@@ -40,17 +40,14 @@ def register_survivors(lib: Any, ledger: Ledger, n: int) -> list[Entry]:
     sizes = (ctypes.c_int64 * n)()
     when = time.perf_counter()
     entries = []
-    held = n > _MANY and gc.isenabled()
-    if held:
-        gc.disable()
+    release = hold_collector(n > _MANY)
     try:
         for i in range(lib.mn_survivors(weak, sizes, n)):
             storage = storage_from_weak(weak[i])
             if storage is not None:
                 entries.append(ledger.produced(ON_CPU, storage, when))
     finally:
-        if held:
-            gc.enable()
+        release()
     return entries
 
 

@@ -90,15 +90,23 @@ def _load() -> None:
         if not (isinstance(got, tuple) and len(got) == 2 and all(map(callable, got))):
             raise RuntimeError(f"the library gave {got!r}, not two hooks")
         pair = got
+        scan = _scan_of(made)
+    except Exception as e:  # (any failure: the op stands in, as where it cannot be built)
+        why = f"{type(e).__name__}: {e}"
+    with _lock:
+        if not _tried:
+            _hooks, _why, _tried, _changed = pair, why, True, scan
+
+
+def _scan_of(made: Any) -> Any:
+    """The namespace scan of the library ``made``, or None (the hooks do without it)."""
+    try:
         made.mnp_changed.argtypes = []
         made.mnp_changed.restype = ctypes.py_object
         scan = made.mnp_changed()
-    except Exception as e:  # (any failure: the op stands in, as where it cannot be built)
-        why, scan = f"{type(e).__name__}: {e}", None
-    with _lock:
-        if not _tried:
-            _hooks, _why, _tried = pair, why, True
-            _changed = scan if callable(scan) else None
+    except Exception:  # (the magics scan with numpy instead)
+        return None
+    return scan if callable(scan) else None
 
 
 def _python_include() -> Path:
