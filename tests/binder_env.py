@@ -53,8 +53,11 @@ def build(base: Path) -> dict[str, str]:
         "JUPYTER_PLATFORM_DIRS": "1",
     }
     # --retries 0: the PyTorch index that requirements.txt names is out of reach here; the
-    # pinned CPU wheel comes from this machine.
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--retries", "0"]
+    # pinned CPU wheel comes from this machine. --no-compile: the modules the notebooks import
+    # are compiled to bytecode when first imported, not every module of every package (a
+    # minute of the build, beside the other tests)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    pip += ["--retries", "0"]
     sh([*pip, "-r", str(BINDER / "requirements.txt")], env, ROOT, 900)
     sh(["bash", str(BINDER / "postBuild")], env, ROOT, 900)
     return env

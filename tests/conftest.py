@@ -66,7 +66,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: each torch one thread, not two that wait for a core (OpenMP
     # threads spin while they wait, and an oversubscribed step can take many times as long).
+    # The processes the tests start (kernels, ranks, scripts) too, unless told otherwise.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -93,6 +93,10 @@ class LabServer:
             "JUPYTERLAB_WORKSPACES_DIR": str(self.home / "workspaces"),
             "IPYTHONDIR": str(self.home / "ipython"),
             "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+            # a kernel's torch on one thread: kernels run side by side (the course, three
+            # notebooks at once) beside the other test worker, and threads that outnumber the
+            # cores spin while they wait (a notebook took 3x as long in the course)
+            "OMP_NUM_THREADS": "1",
         }
         python = venv_python(self.environment) if self.environment else sys.executable
         cmd = [

@@ -113,10 +113,11 @@ class Accountant(Roles):
 
     def uninstall(self) -> None:
         self._stack.close()
-        if self._mode is not None and self._mode.misplaced:
-            self.errors.append(self._mode.misplaced)
+        mode = self._mode  # (None: a native region's, never installed: its record says failures)
+        if mode is not None and mode.misplaced:
+            self.errors.append(mode.misplaced)
         self.ledger.settle()  # the region's last frees, heard (or not) before the count
-        self._missed = missed = self.ledger.failures - self._failures
+        self._missed = missed = self.ledger.failures - self._failures if mode is not None else 0
         if missed:  # a listener's failure: a recorder or a replay missed events
             said = "; ".join(self.ledger.failure_notes[-2:])
             self.errors.append(f"{missed} event(s) not taken in by memlab's listeners ({said})")
@@ -284,8 +285,7 @@ class Accountant(Roles):
             self._safely("a gradient not read", self._mark_grad, leaf)
 
     def _mark_grad(self, leaf: torch.Tensor) -> None:
-        grad = leaf.grad
-        if grad is not None:
+        if (grad := leaf.grad) is not None:
             self.mark(grad, Category.GRADIENT)
 
     def finish(self) -> None:

@@ -29,6 +29,9 @@ class Target:
         return Source.CUDA_ALLOCATOR if self.is_cuda else Source.TENSOR_ACCOUNTING
 
 
+_CPU = Target("cpu")
+
+
 def _cuda_count() -> int:
     # is_available() and device_count() do not create a CUDA context.
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -43,6 +46,8 @@ def _current() -> int:
 def resolve(spec: str | torch.device | None) -> list[Target]:
     """``None``/``"auto"``: the current CUDA device if there is one, else the CPU.
     ``"all"``: every CUDA device. Any other torch device string names one device."""
+    if type(spec) is str and spec == "cpu":  # (the magics' device on a CPU: every cell)
+        return [_CPU]
     if spec is None or spec == "auto":
         if _cuda_count():
             return [Target(f"cuda:{_current()}", _current())]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from memlab.core.frames import misuse
+from memlab.core.ledger import Ledger, default_ledger
 
 #: What a region can watch: tensors, modules and optimizers.
 WATCHABLE = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
@@ -43,8 +44,6 @@ def check_since(value: Any) -> int:
 
 def check_ledger(value: Any) -> Any:
     """``ledger``: a memlab Ledger, or None for the default one."""
-    from memlab.core.ledger import Ledger, default_ledger
-
     if value is None:
         return default_ledger()
     if isinstance(value, Ledger):
@@ -77,6 +76,8 @@ def _given(name: str, value: Any) -> str:
 
 def weak_refs(name: str, objects: Any, kinds: tuple[type, ...], what: str) -> list[Any]:
     """Weak references to ``objects`` (one of ``kinds`` alone, or an iterable of them)."""
+    if type(objects) is tuple and not objects:  # (the default: at every cell)
+        return []
     if issubclass(type(objects), kinds):
         objects = [objects]
     elif not isinstance(objects, Iterable) or isinstance(objects, (str, bytes)):

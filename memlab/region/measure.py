@@ -101,11 +101,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             raise misuse("A track() object measures one region; create a new one.")
         self._state = "open"
         opened(self)
-        needs_accounting = (
-            self.breakdown or self.timeline or any(not t.is_cuda for t in self.targets)
-        )
+        accounted = self.breakdown or self.timeline or any(not t.is_cuda for t in self.targets)
         try:
-            if needs_accounting:
+            if accounted:
                 self._ledger.resync()  # storages resized while no region was open
                 keep = self.breakdown or self.timeline
                 # on the CPU: the native record, no Python per op (without a breakdown, an
@@ -117,7 +115,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
                 if log is not None:  # a breakdown on one GPU: the allocator's log
                     self._log = self._recorders[log.device] = log
                 elif not native or (not keep and (self._watch or self._inputs)):
-                    self._new_accountant()
+                    found = list(self._watched())  # (natively, with nothing to learn: none)
+                    if not native or found or alive(self._inputs):
+                        self._new_accountant(found)
                 if self._log is None and not (native and self._start_native(keep)):
                     acc = self._accountant or self._new_accountant()
                     for target in self.targets:
@@ -151,9 +151,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             rec.set_origin(self._t0)
         return self
 
-    def _new_accountant(self) -> Accountant:
+    def _new_accountant(self, found: list[Any] | None = None) -> Accountant:
         acc = self._accountant = Accountant(self._ledger, self.breakdown)
-        acc.watch(acc.first_look(self._watched(), self.breakdown))
+        acc.watch(acc.first_look(self._watched() if found is None else found, self.breakdown))
         for t in alive(self._inputs):
             acc.mark(t, Category.INPUT)
         return acc
@@ -281,8 +281,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         return self.reports[0]
 
     def _assemble(self, target: Target, raised: type[BaseException] | None) -> MemoryReport:
-        rec = self._recorders.get(target.name)
-        acc = self._accountant
+        rec, acc = self._recorders.get(target.name), self._accountant
         return assemble(
             target,
             rec.tally(self.breakdown, acc.used if acc else ()) if rec is not None else None,

@@ -21,7 +21,7 @@ import torch
 
 from memlab.core.native.build import compile_library, library_path
 from memlab.core.native.build import torch_dirs as _torch_dirs
-from memlab.core.native.signatures import declare
+from memlab.core.native.signatures import declare, quick
 
 _SOURCE = Path(__file__).with_name("record.cpp")
 _lock = threading.Lock()
@@ -99,7 +99,7 @@ def library(wait: bool = True) -> ctypes.CDLL | None:
         if not _tried:
             try:
                 path = str(_build())
-                _lib = declare(ctypes.CDLL(path))
+                _lib = quick(declare(ctypes.CDLL(path)), path)
                 from memlab.core.native import objects
 
                 objects.load(path)

@@ -29,6 +29,34 @@ def reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, 
         yield storage_from_weak(weak[i]), ptrs[i], sizes[i]
 
 
+def hand_over(lib: Any, ledger: Ledger, handed: dict[int, int], aliases: bool) -> None:
+    """`NativeRegion.hand_over`: the older storages the region's ops read that the ledger does
+    not know (into ``handed``, address -> bytes) and the survivors, registered now; with
+    ``aliases``, what autograd holds saved too."""
+    counts = (ctypes.c_int64 * 7)()
+    lib.mn_counts(counts, len(counts))
+    n_reads, n_alive = counts[3], counts[5]
+    with ledger._lock:
+        ledger.settle()
+        for storage, ptr, size in reads(lib, n_reads):
+            if storage is not None and not ledger.knows(storage):
+                ledger.existing(ON_CPU, storage, size)
+                handed[ptr] = size
+        register_survivors(lib, ledger, n_alive)
+        if aliases:  # what autograd holds saved, as the ledger sees it
+            hand_over_aliases(lib, ledger)
+
+
+def missed(ledger: Ledger, before: int, notes: list[str]) -> int:
+    """The ledger's listeners' failures since ``before`` (its count when the region began),
+    said in ``notes``: events of the region the record's listener may have missed."""
+    n = ledger.failures - before
+    if n:
+        said = "; ".join(ledger.failure_notes[-2:])
+        notes.append(f"{n} event(s) not taken in by memlab's listeners ({said})")
+    return n
+
+
 def register_survivors(lib: Any, ledger: Ledger, n: int) -> list[Entry]:
     """The storages the region's ops returned that are alive (at most ``n``) into the ledger:
     new memory, or grown. Returns their entries. Where they are many, Python's collector is

@@ -90,6 +90,7 @@ class NativeRegion:
         #: Address -> bytes of the older storages handed to the ledger before the end (see
         #: `hand_over`): counted in `before` then, so not again if they die in the region.
         self._handed: dict[int, int] = {}
+        self._failures = 0  # (the ledger's listeners' failures before the region)
 
     @classmethod
     def open(cls, ledger: Ledger, keep: bool = False, saved: bool = True) -> NativeRegion | None:
@@ -111,7 +112,7 @@ class NativeRegion:
             watched = roles.first_look(self.watched(), self._saved)
         with ledger._lock:  # one lock for what `total`, `next_serial` and `attach` each do
             ledger.settle()
-            self.before = ledger._totals.get(_CPU, 0)
+            self.before, self._failures = ledger._totals.get(_CPU, 0), ledger.failures
             frees = self._frees = Frees(ledger, next(ledger._serials))
             ledger._listeners.append(frees)
         resizing = following_resizes(self._resized)
@@ -183,6 +184,7 @@ class NativeRegion:
             raise
         self._done(frees)
         self.watched = tuple  # (the front end's method: no cycle keeps the two alive)
+        self.lost += handover.missed(self.ledger, self._failures, self.notes)
 
     def _close_record(self) -> None:
         self._open = False
@@ -216,20 +218,8 @@ class NativeRegion:
         """Registers in the ledger, now, the storages the region's ops returned that are alive
         and the older ones they read (see `hand_over_open`); the region's own figures are the
         same (it registers them again at its end, which is then a no-op)."""
-        if not self._open:
-            return
-        lib, ledger = self._lib, self.ledger
-        lib.mn_counts(_COUNTS, len(_COUNTS))
-        n_reads, n_alive = _COUNTS[3], _COUNTS[5]
-        with ledger._lock:
-            ledger.settle()
-            for storage, ptr, size in handover.reads(lib, n_reads):
-                if storage is not None and not ledger.knows(storage):
-                    ledger.existing(ON_CPU, storage, size)
-                    self._handed[ptr] = size
-            handover.register_survivors(lib, ledger, n_alive)
-            if self.roles is not None:  # what autograd holds saved, as the ledger sees it
-                handover.hand_over_aliases(lib, ledger)
+        if self._open:
+            handover.hand_over(self._lib, self.ledger, self._handed, self.roles is not None)
 
     def tally(self, breakdown: bool, used: Any = ()) -> Tally:
         tally = self._tally

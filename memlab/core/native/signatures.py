@@ -68,3 +68,18 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.mn_version() != 8:
         raise RuntimeError("a memlab native library of another version was loaded")
     return lib
+
+
+#: The calls each region makes, each brief (no op's work, no Python code, no wait for another
+#: thread but the record's own lock, whose holders never wait for the GIL).
+QUICK = ("mn_begin", "mn_end", "mn_release", "mn_counts")
+
+
+def quick(lib: ctypes.CDLL, path: str) -> ctypes.CDLL:
+    """``lib`` with its `QUICK` calls made through ``ctypes.PyDLL``, which keeps the GIL: a call
+    that lets it go waits to take it back behind every other thread that wants it (IPython's
+    history thread, after each cell), which costs a region more than the call itself."""
+    held = declare(ctypes.PyDLL(path))
+    for name in QUICK:
+        setattr(lib, name, getattr(held, name))
+    return lib
