@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import memlab
+from memlab.core import native
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, default_ledger
+from memlab.core.native.frees import Frees
 
 
 class Heard:
@@ -74,5 +77,36 @@ def test_a_region_keeps_its_figures_and_says_what_a_listener_lost() -> None:
     assert t.lost == 2
     assert any("2 event(s) not taken in by memlab's listeners" in n for n in r.notes), r.notes
     with memlab.track("cpu") as clean:
+        y = torch.empty(10)
+    assert clean.lost == 0 and clean.report.allocated_delta == y.untyped_storage().nbytes()
+
+
+@pytest.mark.skipif(native.too_old() is not None, reason=str(native.too_old()))
+@pytest.mark.parametrize("watched", [False, True], ids=["track", "watch-nothing"])
+def test_a_native_region_says_what_its_own_listener_lost(
+    monkeypatch: pytest.MonkeyPatch, watched: bool
+) -> None:
+    """The native record's listener (the frees of storages the ledger follows) is the region's
+    own: where it raises, the region says so and counts it, watched or not (the magic's region
+    watches the notebook, which often hands it nothing)."""
+    with memlab.track("cpu"):
+        x = torch.empty(2**18)  # followed by the ledger from here
+    nbytes = x.untyped_storage().nbytes()
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("the record listener's own bug")
+
+    monkeypatch.setattr(Frees, "on_free", broken)
+    with memlab.track("cpu", watch=(lambda: []) if watched else ()) as t:
+        del x
+    assert t._native is not None and t._accountant is None  # (nothing watched: no accountant)
+    assert t.lost == 1, t.report.notes
+    assert [n for n in t.report.notes if "not taken in by memlab's listeners" in n] == [
+        "1 event(s) not taken in by memlab's listeners (Frees failed: RuntimeError: the record "
+        "listener's own bug)"
+    ]
+    assert t.report.allocated_delta == -nbytes  # (the ledger heard the free all the same)
+    monkeypatch.undo()
+    with memlab.track("cpu", watch=lambda: []) as clean:
         y = torch.empty(10)
     assert clean.lost == 0 and clean.report.allocated_delta == y.untyped_storage().nbytes()

@@ -270,6 +270,27 @@ def test_the_native_record_is_built_here() -> None:
     assert native.unavailable() is None
 
 
+def test_the_calls_each_region_makes_keep_the_gil() -> None:
+    """The record's brief calls at every region go through ctypes.PyDLL (the GIL kept: letting
+    it go means waiting to take it back behind IPython's history thread after each cell); the
+    others through ctypes.CDLL, which lets other threads run meanwhile."""
+    import ctypes
+
+    from memlab.core.native.signatures import QUICK
+
+    lib = native.library()
+    assert lib is not None
+
+    def keeps_gil(name: str) -> bool:
+        return bool(getattr(lib, name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI)  # type: ignore[attr-defined]
+
+    assert [n for n in QUICK if not keeps_gil(n)] == []
+    assert not keeps_gil("mn_sweep") and not keeps_gil("mn_tally")  # (long: the GIL let go)
+    with memlab.track("cpu") as t:  # (and they still work)
+        x = torch.empty(100)
+    assert t._native is not None and t.report.allocated_delta == x.untyped_storage().nbytes()
+
+
 #: Where a dispatch mode changes what the program does: with one active, PyTorch's composite
 #: ops take their "subclass-safe" out-of-place paths (``linear`` on a 3-D input adds its bias
 #: into a new tensor instead of in place), so the dispatch mode's figures are the perturbed
