@@ -92,6 +92,21 @@ def test_reports_are_immutable() -> None:
         r.breakdown.at_peak[Category.PARAMETER] = 0  # type: ignore[index, union-attr]
 
 
+def test_reports_are_values_a_set_or_a_dict_key_can_hold() -> None:
+    """Frozen, so hashable like a tuple: equal reports hash alike, whatever their breakdown
+    (whose mappings are read-only proxies, which have no hash of their own)."""
+    r = cuda_report()
+    same = dataclasses.replace(
+        r,
+        breakdown=Breakdown(
+            dict(r.breakdown.at_peak), dict(r.breakdown.at_end), dict(r.breakdown.highest)
+        ),
+    )  # type: ignore[union-attr]
+    assert same == r and hash(same) == hash(r) and len({r, same, Reports((r,))}) == 2
+    other = dataclasses.replace(r, breakdown=Breakdown({Category.PARAMETER: 1}, {}))
+    assert other != r and {r: "a", other: "b"}[other] == "b"
+
+
 def test_text_golden(golden: Any) -> None:
     golden("report_cuda.txt", str(cuda_report()) + "\n")
     golden("report_cpu.txt", str(cpu_report()) + "\n")

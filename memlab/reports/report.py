@@ -49,6 +49,9 @@ class Breakdown:
         # (a mapping proxy cannot be pickled or deep-copied: made again from plain dicts)
         return (type(self), (dict(self.at_peak), dict(self.at_end), dict(self.highest)))
 
+    def __hash__(self) -> int:  # (a mapping proxy has no hash; its items have: equal, equal)
+        return hash(tuple(frozenset(m.items()) for m in (self.at_peak, self.at_end, self.highest)))
+
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {
             name: {c.value: int(getattr(self, name).get(c, 0)) for c in Category}
