@@ -281,3 +281,27 @@ def test_the_same_cell_line_is_parsed_once_and_a_bad_one_refused_every_time() ->
     for _ in range(2):
         with pytest.raises(UsageError):
             parse_cell_line("-o 1bad")
+
+
+@pytest.mark.parametrize(
+    "line, option, values",
+    [
+        ("-d cpu -d meta", "-d", "'cpu', then 'meta'"),
+        ("--device cpu -d meta", "-d", "'cpu', then 'meta'"),
+        ("-o first -o second", "-o", "'first', then 'second'"),
+        ("-l one -l two", "-l", "'one', then 'two'"),
+        ("--gpu T4 --gpu=24GiB", "--gpu", "'T4', then '24GiB'"),
+    ],
+)
+def test_an_option_given_twice_is_refused_naming_both_values(
+    ip: Any, line: str, option: str, values: str
+) -> None:
+    """Where argparse keeps the last value without a word (``-d cpu -d cuda`` measured the GPU
+    while the user read "cpu" first), the magic says which option came twice and with what;
+    the cell does not run. A flag given twice (-q -q) means what it means once."""
+    result = ip.run_cell(f"%%gpumem {line}\nran = True")
+    err = result.error_in_exec
+    assert err is not None and type(err).__name__ == "UsageError"
+    assert f"{option} given twice ({values}): give it once" in str(err), str(err)
+    assert "ran" not in ip.user_ns
+    assert ip.run_cell("%%gpumem -q -q -d cpu\nran = True").success and ip.user_ns["ran"]

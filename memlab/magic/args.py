@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import builtins
 import functools
-import keyword
 import re
-import types
-import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
 
-from memlab.core.frames import memlabs
+from memlab.magic.out_name import variable_name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,6 +19,17 @@ class _Parser(argparse.ArgumentParser):
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
         raise UsageError(message or f"%{self.prog}: see %{self.prog}? for the options.")
+
+
+class _Once(argparse.Action):
+    """An option with a value, given once: a second (``-d cpu -d cuda``) is an error naming
+    both, where argparse would keep the last without a word."""
+
+    def __call__(self, parser: Any, ns: Any, value: Any, option: str | None = None) -> None:
+        if getattr(ns, self.dest) is not None:
+            before = getattr(ns, self.dest)
+            parser.error(f"{option} given twice ({before!r}, then {value!r}): give it once")
+        setattr(ns, self.dest, value)
 
 
 def _parser() -> _Parser:
@@ -38,6 +45,7 @@ def _parser() -> _Parser:
         "-d",
         "--device",
         default=None,
+        action=_Once,
         metavar="DEVICE",
         help="cuda, cuda:N, all (every CUDA device), cpu or meta. Default: the "
         "current CUDA device, else the CPU.",
@@ -69,6 +77,7 @@ def _parser() -> _Parser:
         "-o",
         "--out",
         default=None,
+        action=_Once,
         metavar="NAME",
         help="store the report object in the variable NAME (with --gpu: the pre-flight).",
     )
@@ -78,10 +87,13 @@ def _parser() -> _Parser:
         action="store_true",
         help="show nothing (the report still goes to %%gpumem_history and -o).",
     )
-    p.add_argument("-l", "--label", default=None, help="a label for the report and the history.")
+    p.add_argument(
+        "-l", "--label", action=_Once, default=None, help="a label for the report and the history."
+    )
     p.add_argument(
         "--gpu",
         default=None,
+        action=_Once,
         metavar="GPU",
         help="pre-flight: track the cell on the CPU and replay its allocations through the "
         "allocator model of this GPU (a preset such as T4, 'A100 80GB', or a size such as "
@@ -137,76 +149,6 @@ def _finish(ns: argparse.Namespace, label_words: list[str]) -> Options:
     return Options(
         ns.device, ns.breakdown, ns.timeline, ns.reset, ns.driver, ns.out, ns.quiet, label, ns.gpu
     )
-
-
-@functools.lru_cache(maxsize=256)
-def variable_name(text: str, magic: str) -> str:
-    """``text`` as the name Python will look up (identifiers are NFKC-normalised: a typed ``µ``
-    is ``μ``), or a UsageError naming the magic. A name the session itself needs is refused:
-    IPython's own (``get_ipython``, which every magic line is rewritten to call; ``In``,
-    ``Out``, ``exit``, the output history ``_``, ``_3``, ``_i3``) and Python's builtins
-    (``-o print`` would break every later ``print``)."""
-    name = unicodedata.normalize("NFKC", text)
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise UsageError(f"{magic}: -o needs a Python variable name, not {text!r}.")
-    what = _reserved(name)
-    if what:
-        raise UsageError(
-            f"{magic}: -o {text} would replace {what} in your session; pick another name "
-            "(for example -o report)."
-        )
-    return name
-
-
-def free_for(name: str | None, ns: dict[str, Any], magic: str) -> None:
-    """``-o NAME`` where NAME holds a module (``-o torch`` would break every later
-    ``torch.ones``) or one of memlab's own functions and classes (``-o track``): a UsageError.
-    Any other value of the user's (an earlier report among them) may be replaced."""
-    value = ns.get(name) if name else None
-    if isinstance(value, types.ModuleType):
-        what = f"the module {value.__name__!r}"
-    elif isinstance(value, (type, types.FunctionType)) and memlabs(value):
-        what = f"memlab's {value.__qualname__!r}"
-    else:
-        return
-    raise UsageError(
-        f"{magic}: -o {name} would replace your {name!r}, which is bound to {what}; pick "
-        "another name (for example -o report)."
-    )
-
-
-UNBOUND = object()
-
-
-def bound(name: str | None, ns: dict[str, Any]) -> Any:
-    """What ``-o NAME`` holds before the cell runs (a marker where it is unbound)."""
-    return ns.get(name, UNBOUND) if name else UNBOUND
-
-
-def store(name: str | None, ns: dict[str, Any], value: Any, before: Any, magic: str) -> None:
-    """``-o NAME``: ``value`` stored in NAME, unless the cell itself bound (or deleted) NAME
-    since `bound` read it: the cell's own value wins, and the magic says so."""
-    if name and ns.get(name, UNBOUND) is not before:
-        print(
-            f"memlab: {magic} -o {name}: the cell bound {name!r} itself, which keeps the cell's "
-            "value; the report was not stored (pick another name, for example -o report)."
-        )
-    elif name:
-        ns[name] = value
-
-
-_IPYTHON_NAMES = frozenset({"get_ipython", "In", "Out", "exit", "quit", "_ih", "_oh", "_dh"})
-_HISTORY = re.compile(r"_+|_i+|_i?\d+")
-
-
-def _reserved(name: str) -> str | None:
-    if name in _IPYTHON_NAMES or _HISTORY.fullmatch(name):
-        return f"IPython's own {name!r}"
-    if name in vars(builtins):
-        return f"Python's builtin {name!r}"
-    if len(name) > 4 and name.startswith("__") and name.endswith("__"):
-        return f"Python's own {name!r}"  # (__builtins__, __name__: a module's own names)
-    return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,19 +16,16 @@ from memlab.core.ledger import default_ledger
 from memlab.magic.args import (
     HELP,
     Options,
-    bound,
-    free_for,
     parse_auto_line,
     parse_cell_line,
     parse_statement_line,
-    store,
-    variable_name,
 )
 from memlab.magic.auto import AutoTracking, cell_number, one_line
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value, measured
 from memlab.magic.history import History
 from memlab.magic.namespace import MAX_FRESH, NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
+from memlab.magic.out_name import bound, free_for, store, variable_name
 from memlab.magic.tracebacks import without_memlab
 from memlab.region import track
 from memlab.reports.plot import png

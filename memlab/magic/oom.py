@@ -14,7 +14,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.display import display
 
-from memlab.magic.args import UNBOUND, store
+from memlab.magic.out_name import UNBOUND, store
 
 
 class OOMHooks:
