@@ -219,11 +219,11 @@ class Accountant(Roles):
             self.errors.append(f"{what} ({said})" if what else said)
 
     def _safely(self, what: str, fn: Any, *args: Any) -> None:
-        """``fn(*args)`` on the user's objects, from a hook or a sweep: a module, optimizer or
-        tensor whose own code raises (an overridden ``parameters()``, a ``grad`` property) never
-        breaks the user's forward, step or backward; the report's notes say what was skipped."""
+        """``fn(*args)`` on the user's objects, from a hook or a sweep, unseen by the program's
+        torch function modes; their own error is noted, never raised into the user's step."""
         try:
-            fn(*args)
+            with torch._C.DisableTorchFunction():
+                fn(*args)
         except Exception as e:
             self._error(e, what)
 

@@ -92,11 +92,12 @@ class Roles:
         that raises when looked at (a module whose parameters() fails, a tensor subclass that
         refuses its storage) is skipped and counted in the report's notes."""
         skipped = 0
-        for obj in objects:
-            try:
-                self._watch_one(obj)
-            except Exception:
-                skipped += 1
+        with torch._C.DisableTorchFunction():  # (the program's function modes see none of it)
+            for obj in objects:
+                try:
+                    self._watch_one(obj)
+                except Exception:
+                    skipped += 1
         if skipped and not any(e.startswith("skipped") for e in self.errors):
             self.errors.append(f"skipped {skipped} object(s) memlab could not inspect")
 
@@ -108,12 +109,13 @@ class Roles:
         if not graphs or self.ledger is not default_ledger():  # (the process's ledger's alone)
             return found
         outputs = []
-        for obj in found:
-            try:
-                if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
-                    outputs.append(obj)
-            except Exception:  # a hostile subclass: `watch` counts it as skipped
-                continue
+        with torch._C.DisableTorchFunction():  # (as in `watch`)
+            for obj in found:
+                try:
+                    if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
+                        outputs.append(obj)
+                except Exception:  # a hostile subclass: `watch` counts it as skipped
+                    continue
         try:
             notes = saved_by_older_graphs(outputs, self.ledger)
         except Exception:  # a graph that cannot be read: its storages stay "other"

@@ -264,10 +264,11 @@ class NativeRegion:
             survivors = handover.register_survivors(lib, ledger, n_alive)
             known = {**frees.freed, **dead_reads}
             n = len(known)
-            if self.roles is not None:
-                # the roles alive now, once what the region made is in the ledger (a watched
-                self.roles.watch(self.watched())  # tensor it made is not one from before it)
-                self.roles.finish()
+            if self.roles is not None:  # (the program's torch function modes see none of it)
+                with torch._C.DisableTorchFunction():
+                    # the roles alive now, once what the region made is in the ledger (a
+                    self.roles.watch(self.watched())  # watched tensor it made is not older)
+                    self.roles.finish()
                 self.notes.extend(e for e in self.roles.errors if e not in self.notes)
                 base = self.before + sum(dead_reads.values())
                 result, missing, unplaced = breakdown.tally(

@@ -81,10 +81,9 @@ class NativeRoles(Roles):
         self._op: Any = None
         self._pack_in = self._hooks_in = False  # (what `install` put in, for `uninstall`)
         self._open = False
-        self._hooks = GlobalHooks(
+        self._hooks = hooks = GlobalHooks(  # (the forward phase: while a module call is open)
             self._module_pre, self._module_post, self._optimizer_pre, self._optimizer_post
         )
-        hooks = self._hooks  # (the forward phase lasts while a module call is open: `Outer`)
         self._outer = Outer(self._set_phase, hooks.install_post, hooks.pause_pre, hooks.resume_pre)
         self._caches_out: Callable[[], None] = _NOTHING  # (`install` names the KV caches)
 
@@ -193,8 +192,7 @@ class NativeRoles(Roles):
 
     # -- roles ---------------------------------------------------------------------------------
     def mark(self, t: torch.Tensor, category: Category) -> None:
-        storage = storage_of(t)
-        if storage is None:
+        if (storage := storage_of(t)) is None:
             return
         sticky = category in STICKY
         key = (id(storage), category)
@@ -220,18 +218,19 @@ class NativeRoles(Roles):
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         whole = self._outer.called(module)  # (the calls inside an outermost one go unseen)
-        try:
-            if not whole:
-                self._name_module(module)
-                return
-            stack, seen = [module], {id(module)}  # its modules, named now
-            while stack:
-                m = stack.pop()
-                self._name_module(m)
-                for child in m._modules.values():
-                    if child is not None and id(child) not in seen:
-                        seen.add(id(child))
-                        stack.append(child)
+        try:  # (the program's torch function modes, or a subclass's, see none of it)
+            with torch._C.DisableTorchFunction():
+                if not whole:
+                    self._name_module(module)
+                    return
+                stack, seen = [module], {id(module)}  # its modules, named now
+                while stack:
+                    m = stack.pop()
+                    self._name_module(m)
+                    for child in m._modules.values():
+                        if child is not None and id(child) not in seen:
+                            seen.add(id(child))
+                            stack.append(child)
         except Exception as e:  # never break the user's forward for our bookkeeping
             self._error(e, "a module's roles not read")
 
