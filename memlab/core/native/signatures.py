@@ -70,9 +70,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-#: The calls each region makes, each brief (no op's work, no Python code, no wait for another
-#: thread but the record's own lock, whose holders never wait for the GIL).
-QUICK = ("mn_begin", "mn_end", "mn_release", "mn_counts")
+#: The calls that open and close each region: no Python code, no wait for another thread but
+#: the record's own lock, whose holders never wait for the GIL; microseconds for a cell's region
+#: (the first after a region of millions of events lets go of them: milliseconds).
+QUICK = ("mn_begin", "mn_end", "mn_release")
 
 
 def quick(lib: ctypes.CDLL, path: str) -> ctypes.CDLL:
