@@ -166,6 +166,12 @@ def restore_stance(prior: Any) -> None:
 _FORCED: dict[str, Any] = {}
 
 
+def unseen() -> Any:
+    """A block in which torch functions skip ``__torch_function__`` (the program's function
+    modes, a subclass's override): memlab's own reads of the program's tensors. Checked 2.13."""
+    return torch._C.DisableTorchFunction()
+
+
 def dispatch_modes_on() -> bool:
     """Whether any dispatch mode is on (without building the list of them). Checked 2.13."""
     return bool(torch._C._len_torch_dispatch_stack())

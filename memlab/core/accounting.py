@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import _torch, fork, older_graphs, transforms  # noqa: F401  (fork: registers its handler)
 from memlab.core._torch import OwnedMode
+from memlab.core._torch_record import unseen
 from memlab.core.autograd import iter_nodes
 from memlab.core.categories import Category
 from memlab.core.collectives import Collectives, is_collective
@@ -222,7 +223,7 @@ class Accountant(Roles):
         """``fn(*args)`` on the user's objects, from a hook or a sweep, unseen by the program's
         torch function modes; their own error is noted, never raised into the user's step."""
         try:
-            with torch._C.DisableTorchFunction():
+            with unseen():
                 fn(*args)
         except Exception as e:
             self._error(e, what)
@@ -272,8 +273,7 @@ class Accountant(Roles):
         AccumulateGrad nodes. (A region that runs only backward never saw the forward that
         would have told us which tensors are parameters.)"""
         for n in iter_nodes([node]):
-            leaf = getattr(n, "variable", None)
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf := getattr(n, "variable", None), torch.Tensor):
                 self._remember_leaf(leaf)
 
     def _after_backward(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memlab.core import kv_caches, transforms
+from memlab.core._torch_record import unseen
 from memlab.core.categories import Category
 from memlab.core.ledger import Ledger, default_ledger, storage_of
 from memlab.core.older_graphs import saved_by_older_graphs
@@ -92,7 +93,7 @@ class Roles:
         that raises when looked at (a module whose parameters() fails, a tensor subclass that
         refuses its storage) is skipped and counted in the report's notes."""
         skipped = 0
-        with torch._C.DisableTorchFunction():  # (the program's function modes see none of it)
+        with unseen():  # (the program's function modes see none of it)
             for obj in objects:
                 try:
                     self._watch_one(obj)
@@ -109,7 +110,7 @@ class Roles:
         if not graphs or self.ledger is not default_ledger():  # (the process's ledger's alone)
             return found
         outputs = []
-        with torch._C.DisableTorchFunction():  # (as in `watch`)
+        with unseen():  # (as in `watch`)
             for obj in found:
                 try:
                     if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch, older_graphs, resizes
-from memlab.core._torch_record import dispatch_modes_on, restore_stance, storage_address
+from memlab.core._torch_record import dispatch_modes_on, restore_stance, storage_address, unseen
 from memlab.core.ledger import Ledger
 from memlab.core.native import breakdown, handover, joiner, library
 from memlab.core.native.eligible import NativeNotStartedError, eager
@@ -265,7 +265,7 @@ class NativeRegion:
             known = {**frees.freed, **dead_reads}
             n = len(known)
             if self.roles is not None:  # (the program's torch function modes see none of it)
-                with torch._C.DisableTorchFunction():
+                with unseen():
                     # the roles alive now, once what the region made is in the ledger (a
                     self.roles.watch(self.watched())  # watched tensor it made is not older)
                     self.roles.finish()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from memlab.core import _torch, transforms
-from memlab.core._torch_record import GlobalHooks, raw_op, storage_address, tensor_address
+from memlab.core._torch_record import GlobalHooks, raw_op, storage_address, tensor_address, unseen
 from memlab.core.categories import PRIORITY, STICKY, Category
 from memlab.core.ledger import Ledger, storage_of
 from memlab.core.native import pack
@@ -219,7 +219,7 @@ class NativeRoles(Roles):
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         whole = self._outer.called(module)  # (the calls inside an outermost one go unseen)
         try:  # (the program's torch function modes, or a subclass's, see none of it)
-            with torch._C.DisableTorchFunction():
+            with unseen():
                 if not whole:
                     self._name_module(module)
                     return
