@@ -118,10 +118,8 @@ class Accountant(Roles):
         if mode is not None and mode.misplaced:
             self.errors.append(mode.misplaced)
         self.ledger.settle()  # the region's last frees, heard (or not) before the count
-        self._missed = missed = self.ledger.failures - self._failures if mode is not None else 0
-        if missed:  # a listener's failure: a recorder or a replay missed events
-            said = "; ".join(self.ledger.failure_notes[-2:])
-            self.errors.append(f"{missed} event(s) not taken in by memlab's listeners ({said})")
+        missed = self.ledger.missed_since(self._failures, self.errors) if mode is not None else 0
+        self._missed = missed
 
     @property
     def lost(self) -> int:

@@ -46,6 +46,15 @@ class Listeners:
                 except Exception as e:
                     self._failed(listener, e)
 
+    def missed_since(self, before: int, notes: list[str]) -> int:
+        """The listeners' failures since ``before`` (`failures` when a region began), said in
+        ``notes``: events of the region that a recorder or a replay may have missed."""
+        n = self.failures - before
+        if n:
+            said = "; ".join(self.failure_notes[-2:])
+            notes.append(f"{n} event(s) not taken in by memlab's listeners ({said})")
+        return n
+
     def _failed(self, listener: Listener, e: Exception) -> None:
         self.failures += 1
         note = f"{type(listener).__name__} failed: {described(e)}"

@@ -47,16 +47,6 @@ def hand_over(lib: Any, ledger: Ledger, handed: dict[int, int], aliases: bool) -
             hand_over_aliases(lib, ledger)
 
 
-def missed(ledger: Ledger, before: int, notes: list[str]) -> int:
-    """The ledger's listeners' failures since ``before`` (its count when the region began),
-    said in ``notes``: events of the region the record's listener may have missed."""
-    n = ledger.failures - before
-    if n:
-        said = "; ".join(ledger.failure_notes[-2:])
-        notes.append(f"{n} event(s) not taken in by memlab's listeners ({said})")
-    return n
-
-
 def register_survivors(lib: Any, ledger: Ledger, n: int) -> list[Entry]:
     """The storages the region's ops returned that are alive (at most ``n``) into the ledger:
     new memory, or grown. Returns their entries. Where they are many, Python's collector is

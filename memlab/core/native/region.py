@@ -184,7 +184,7 @@ class NativeRegion:
             raise
         self._done(frees)
         self.watched = tuple  # (the front end's method: no cycle keeps the two alive)
-        self.lost += handover.missed(self.ledger, self._failures, self.notes)
+        self.lost += self.ledger.missed_since(self._failures, self.notes)
 
     def _close_record(self) -> None:
         self._open = False
@@ -264,10 +264,10 @@ class NativeRegion:
             survivors = handover.register_survivors(lib, ledger, n_alive)
             known = {**frees.freed, **dead_reads}
             n = len(known)
-            if self.roles is not None:  # (the program's torch function modes see none of it)
-                with unseen():
-                    # the roles alive now, once what the region made is in the ledger (a
-                    self.roles.watch(self.watched())  # watched tensor it made is not older)
+            if self.roles is not None:
+                # the roles alive now, once what the region made is in the ledger (a watched
+                self.roles.watch(self.watched())  # tensor it made is not one from before it)
+                with unseen():  # (as `watch`: the program's torch function modes see none of it)
                     self.roles.finish()
                 self.notes.extend(e for e in self.roles.errors if e not in self.notes)
                 base = self.before + sum(dead_reads.values())
