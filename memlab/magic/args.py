@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,23 +186,10 @@ def parse_auto_line(state: str, rest: str) -> Options | None:
     return opts
 
 
-def _joined(tokens: list[str]) -> list[str]:
-    """An option's value that starts with "-" (``--gpu -1GiB``) joined to its option, which
-    argparse would otherwise read as an option of its own, so its check says what it got."""
-    out: list[str] = []
-    for tok in tokens:
-        dashed = tok.startswith("-") and not tok.startswith("--")
-        if out and out[-1] in _VALUED and dashed and tok.split("=")[0] not in _ALL:
-            option = out.pop()
-            tok = f"{option}={tok}" if option.startswith("--") else option + tok
-        out.append(tok)
-    return out
-
-
-def parse_statement_line(line: str) -> tuple[Options, str]:
-    """``%gpumem [options] STATEMENT``: the statement is kept verbatim, never re-tokenised."""
-    pos, tokens = 0, []
-    expecting_value = False
+def _options_of(line: str) -> tuple[list[str], bool, int]:
+    """The option tokens at the start of a ``%gpumem`` line, whether the last still waits for
+    its value, and where the statement starts."""
+    pos, tokens, expecting_value = 0, [], False
     for m in _TOKEN.finditer(line):
         tok = m.group(1)
         if expecting_value:
@@ -217,6 +205,31 @@ def parse_statement_line(line: str) -> tuple[Options, str]:
         else:
             break
         pos = m.end()
+    return tokens, expecting_value, pos
+
+
+def _joined(tokens: list[str]) -> list[str]:
+    """An option's value that starts with "-" (``--gpu -1GiB``) joined to its option, which
+    argparse would otherwise read as an option of its own, so its check says what it got."""
+    out: list[str] = []
+    for tok in tokens:
+        dashed = tok.startswith("-") and not tok.startswith("--")
+        if out and out[-1] in _VALUED and dashed and tok.split("=")[0] not in _ALL:
+            option = out.pop()
+            tok = f"{option}={tok}" if option.startswith("--") else option + tok
+        out.append(tok)
+    return out
+
+
+def parse_statement_line(
+    line: str, expand: Callable[[str], str] | None = None
+) -> tuple[Options, str]:
+    """``%gpumem [options] STATEMENT``: the statement is kept verbatim, never re-tokenised;
+    ``expand``, where given, is applied to the options alone (IPython's ``$name``)."""
+    if expand is not None:
+        _, _, pos = _options_of(line)
+        line = expand(line[:pos]) + line[pos:]
+    tokens, expecting_value, pos = _options_of(line)
     statement = line[pos:].strip()
     if expecting_value:
         raise UsageError(f"%gpumem: option {tokens[-1]} needs a value.")

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.display import Image, display
 
 from memlab.core import ledger as _ledger
@@ -22,6 +22,7 @@ from memlab.magic.args import (
 )
 from memlab.magic.auto import AutoTracking, cell_number, one_line
 from memlab.magic.cell import NO_VALUE, compile_cell, execute, has_value, measured
+from memlab.magic.expand import expand
 from memlab.magic.history import History
 from memlab.magic.namespace import MAX_FRESH, NamespaceWatch
 from memlab.magic.oom import OOMHooks, release
@@ -73,16 +74,17 @@ class GpumemMagics(Magics):
         return getattr(self._current(), magic)(*args)
 
     # -- %%gpumem / %gpumem ---------------------------------------------------------------------
+    @no_var_expand  # (its copy of the namespace, at every cell: see memlab/magic/expand.py)
     @line_cell_magic
     def gpumem(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
         if reimported():
             return self._again("gpumem", line, cell)
         if cell is None:
-            opts, source = parse_statement_line(line)
+            opts, source = parse_statement_line(line, lambda head: expand(self.sh, head))
             header = None
         else:
-            opts, source = parse_cell_line(line), cell
+            opts, source = parse_cell_line(expand(self.sh, line)), cell
             header = f"%%gpumem {line}".rstrip()  # line 1 of the visible cell
         free_for(opts.out, self.sh.user_ns, "%gpumem")
         before = bound(opts.out, self.sh.user_ns)  # (a cell that binds it keeps its value)
