@@ -14,6 +14,8 @@ import sys
 from types import FrameType
 from typing import Any
 
+from IPython.core.interactiveshell import InteractiveShell
+
 #: The shell's methods that call a magic, and how many frames above them IPython reads the
 #: locals of when it expands (see InteractiveShell.run_cell_magic / run_line_magic).
 _RUNNERS = {"run_cell_magic": 2, "run_line_magic": 1}
@@ -24,17 +26,19 @@ def expand(shell: Any, text: str) -> str:
     if "$" not in text and "{" not in text:
         return text
     here = sys._getframe(0)
-    hops = _hops_to_callers_frame(shell, here)
+    hops = _hops_to_callers_frame(here)
     del here
     # var_expand reads the locals `depth + 1` frames above itself, i.e. `hops` above this one;
     # without a runner on the stack it reads the notebook's names alone (its ValueError path)
     return str(shell.var_expand(text, hops if hops is not None else sys.getrecursionlimit() + 1))
 
 
-def _hops_to_callers_frame(shell: Any, here: FrameType) -> int | None:
+def _hops_to_callers_frame(here: FrameType) -> int | None:
+    """How many frames above ``here`` IPython's expansion would read the locals of: counted
+    from InteractiveShell's own method on the stack (a subclass's override calls it)."""
     codes = {}
     for name, default in _RUNNERS.items():
-        code = getattr(getattr(type(shell), name, None), "__code__", None)
+        code = getattr(getattr(InteractiveShell, name, None), "__code__", None)
         if code is not None:
             codes[code] = default
     frame: FrameType | None = here
