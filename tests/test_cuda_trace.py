@@ -625,6 +625,45 @@ def test_the_hooks_name_savings_their_ends_parameters_gradients_and_arguments() 
         assert (p.untyped_storage().data_ptr(), None, Category.PARAMETER) in names.named
 
 
+def test_the_hooks_keep_no_model_or_optimizer_the_program_drops() -> None:
+    """A model called at the top and an optimizer that stepped, dropped inside the region: the
+    hooks hold them weakly, so that their memory is freed there (the allocator's "after"
+    counts what is alive), and the end names only what is still alive."""
+    import gc
+    import weakref
+
+    import torch
+    from torch.optim import optimizer as optim_module
+
+    from memlab.core.cuda_names import Names
+
+    names = Names()
+    names.any_device = True  # (CPU tensors stand in for a GPU's here)
+    kept = torch.nn.Linear(4, 4)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names.arm()
+    handle = optim_module.register_optimizer_step_pre_hook(names.optimizer_pre)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        names.arm()
+        kept(torch.randn(2, 4))
+    finally:
+        handle.remove()
+        names.disarm()
+    gone = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.weight)]
+    del model, opt
+    gc.collect()
+    assert [r() for r in gone] == [None, None, None]
+    names.named.clear()
+    names.at_end([])
+    assert {c for _, _, c in names.named} == {Category.PARAMETER}
+    assert {a for a, _, _ in names.named} == {
+        p.untyped_storage().data_ptr() for p in kept.parameters()
+    }
+
+
 def test_a_graph_built_under_the_log_is_walked_by_a_later_region() -> None:
     import torch
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,9 +41,10 @@ class Names:
     def __init__(self) -> None:
         self.named: list[tuple[int, float | None, Category]] = []
         self.lost = 0
-        self._optimizers: dict[int, torch.optim.Optimizer] = {}
-        #: The modules called at the top (none of theirs running): theirs are named at the end.
-        self._modules: dict[int, torch.nn.Module] = {}
+        #: The optimizers that stepped and the modules called at the top (none of theirs
+        #: running), held weakly (`_met`): theirs are named at the end, where they still are.
+        self._optimizers: dict[int, Callable[[], Any]] = {}
+        self._modules: dict[int, Callable[[], Any]] = {}
         self._pre: Any = None
         self._post: Any = None
         self._armed = False
@@ -149,7 +150,7 @@ class Names:
             if self._pre is not None:
                 self._pre.remove()
                 self._pre = None
-            self._modules.setdefault(id(module), module)
+            _met(self._modules, module)
             self._post = module.register_forward_hook(self._top_post, always_call=True)
             now = now_us()
             for a in args if isinstance(args, tuple) else (args,):
@@ -171,7 +172,7 @@ class Names:
     def optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The gradients an optimizer is about to use, now (``zero_grad`` may free them before
         the end); its parameters and state are named at the end, where they still are."""
-        self._optimizers.setdefault(id(opt), opt)
+        _met(self._optimizers, opt)
         now, add = now_us(), self.named.append
         try:
             for group in opt.param_groups:
@@ -221,7 +222,7 @@ class Names:
     def at_end(self, watched: Iterable[Any]) -> None:
         """Names what the modules called at the top, the optimizers that stepped and
         ``watched`` hold (each object once)."""
-        modules, optimizers = dict(self._modules), dict(self._optimizers)
+        modules, optimizers = _alive(self._modules), _alive(self._optimizers)
         for obj in watched:
             kind = type(obj)
             if issubclass(kind, torch.nn.Module):
@@ -241,6 +242,21 @@ class Names:
         for o in optimizers.values():
             self._name_optimizer(o, named)
         self._modules, self._optimizers = {}, {}  # (after: a Ctrl-C above leaves them to a retry)
+
+
+def _met(held: dict[int, Callable[[], Any]], obj: Any) -> None:
+    """``obj`` in ``held``, weakly: a model or optimizer the program drops inside the region
+    must be freed there, as without memlab (the allocator's "after" counts what is alive)."""
+    ref = held.get(id(obj))
+    if ref is None or ref() is not obj:
+        try:
+            held[id(obj)] = weakref.ref(obj)
+        except TypeError:  # (a class without weak references: held to the end)
+            held[id(obj)] = lambda: obj
+
+
+def _alive(held: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+    return {k: obj for k, ref in held.items() if (obj := ref()) is not None}
 
 
 def log_unpack(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,19 @@ def name_optimizer(
 ) -> None:
     """Names ``opt``'s parameters and state tensors through ``roles`` where its groups or its
     state changed since ``named`` last saw it: a state made at a first step, a state_dict
-    loaded (a new dict), a state tensor the step replaces (Adafactor's)."""
+    loaded (a new dict), a state tensor the step replaces (Adafactor's). A failure is one of
+    ``roles``' errors (the report's notes), never the program's."""
+    try:
+        _name(roles, opt, named)
+    except Exception as e:
+        roles._error(e, "an optimizer's roles not read")
+
+
+def _name(
+    roles: Any,
+    opt: torch.optim.Optimizer,
+    named: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]],
+) -> None:
     groups, state = opt.param_groups, opt.state
     try:  # (in C, for every parameter: this runs at every region's end)
         values = list(chain.from_iterable(map(dict.values, state.values())))

@@ -796,8 +796,19 @@ int queued_task = -1;       // the graph task it was queued on
 std::unordered_set<torch::autograd::Node*>& walked = *new std::unordered_set<torch::autograd::Node*>();
 constexpr int kGradient = 5;  // Category.GRADIENT's code (PRIORITY + 1)
 
+// A tensor that wraps another (torch.func.grad's inputs are such wrappers, as are vmap's and
+// functionalization's) keeps the one it wraps until its own last weak reference goes: held
+// weakly here, it would keep the program's tensor alive to the region's end, counted there.
+bool wraps_another(const c10::TensorImpl* impl) {
+  const c10::DispatchKeySet ks = impl->key_set();
+  return ks.has(c10::DispatchKey::FuncTorchGradWrapper) ||
+         ks.has(c10::DispatchKey::FuncTorchBatched) || ks.has(c10::DispatchKey::Functionalize);
+}
+
 void remember_leaf(c10::TensorImpl* impl) {  // under `mu`
-  hold(leaves, impl);
+  if (!wraps_another(impl)) {
+    hold(leaves, impl);
+  }
 }
 
 // An op's input (after read_storage met its storages): its leaves, and the tensors through
@@ -811,7 +822,8 @@ void leaves_of_inputs(const c10::IValue& v) {
     if (!fresh_older.empty() && t.unsafeGetTensorImpl()->has_storage()) {
       c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
       auto o = older.find(s);
-      if (o != older.end() && o->second.reader == nullptr) {
+      if (o != older.end() && o->second.reader == nullptr &&
+          !wraps_another(t.unsafeGetTensorImpl())) {
         c10::raw::weak_intrusive_ptr::incref(t.unsafeGetTensorImpl());
         o->second.reader = t.unsafeGetTensorImpl();
       }

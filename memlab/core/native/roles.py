@@ -19,6 +19,7 @@ what only Python knows, through hooks that do little per call:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import weakref
 from collections.abc import Callable
@@ -67,8 +68,9 @@ class NativeRoles(Roles):
         self._marked = {}
         self._prune_at = 4096
         self._optimizers = weakref.WeakSet()  # (the base class's: `watch` of an optimizer)
-        #: The optimizers stepped in the open region (held until its end, then let go).
-        self._stepped: list[torch.optim.Optimizer] = []
+        #: The optimizers stepped in the open region, held weakly: one the program drops in
+        #: the region frees its parameters and state there, and the region's end must see that.
+        self._stepped: list[weakref.ref[torch.optim.Optimizer]] = []
         #: Per optimizer: the identities of its parameters and state tensors when last named.
         self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
             weakref.WeakKeyDictionary()
@@ -252,13 +254,16 @@ class NativeRoles(Roles):
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
         self._set_phase()
-        if not any(o is opt for o in self._stepped):
-            self._stepped.append(opt)
+        if not any(r() is opt for r in self._stepped):
+            with contextlib.suppress(TypeError):  # (no weak reference: named after its step)
+                self._stepped.append(weakref.ref(opt))
         self.lib.mn_mark_grads()  # the gradients it reads (it may free them: zero_grad)
 
     def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
         self._set_phase()
+        with unseen():  # named now (a first step's state is there), and at the end if alive
+            name_optimizer(self, opt, self._named)
 
     def finish(self) -> None:
         """At the region's end (the record still held): the parameters among the leaves and
@@ -270,16 +275,14 @@ class NativeRoles(Roles):
                 self.mark(t, Category.PARAMETER)
             else:  # (not asked about again)
                 self.lib.mn_plain(tensor_address(t))
-        stepped, self._stepped = self._stepped, []
+        stepped = [o for o in (r() for r in self._stepped) if o is not None]
+        self._stepped = []
         watched: list[torch.optim.Optimizer] = []
         if len(self._optimizers):  # (named once by `watch`; their state may be new)
             watched = list(self._optimizers)
             self._optimizers.clear()
         for opt in (*stepped, *(o for o in watched if not any(o is s for s in stepped))):
-            try:
-                name_optimizer(self, opt, self._named)
-            except Exception as e:
-                self._error(e, "an optimizer's roles not read")
+            name_optimizer(self, opt, self._named)
 
     def _error(self, e: Exception, what: str) -> None:
         if len(self.errors) < 5:
