@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -171,6 +172,11 @@ def _put_back(group: dict[str, Any], values: dict[str, Any]) -> None:
             group[k] = v
 
 
+#: PyTorch's warnings that a scheduler stepped before its optimizer: in a run, the step's own
+#: optimizer is memlab's, so the program's never steps and the warning would point at nothing.
+_ORDER = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)`)"
+
+
 def _schedulers() -> list[type]:
     """The scheduler classes that define their own ``step`` (the others inherit one)."""
     found: list[type] = [lr_scheduler.LRScheduler]
@@ -195,7 +201,11 @@ def _patches(loop: OwnLoop) -> list[tuple[Any, str, Any]]:
 
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             loop.scheduler_stepped(self)
-            return original(self, *args, **kwargs)
+            if not loop.mine():
+                return original(self, *args, **kwargs)
+            with warnings.catch_warnings():  # (the run steps its own optimizer, never this one)
+                warnings.filterwarnings("ignore", _ORDER, UserWarning)
+                return original(self, *args, **kwargs)
 
         return step
 
