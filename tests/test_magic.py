@@ -196,6 +196,12 @@ def test_line_magic_without_a_statement(ip: Any) -> None:
 def test_top_level_await_is_refused_before_running(ip: Any) -> None:
     r = run(ip, "%%gpumem\nran = True\nawait something()")
     assert "await" in str(r.error_in_exec) and "ran" not in ip.user_ns
+    # what it says to do instead runs in the same shell (asyncio.run would not, in a kernel)
+    assert "with memlab.track() as t:" in str(r.error_in_exec)
+    said = run(
+        ip, "import asyncio, memlab\nwith memlab.track('cpu') as t:\n    await asyncio.sleep(0)"
+    )
+    assert said.success and ip.user_ns["t"].report.allocated_delta == 0
 
 
 def test_syntax_error_is_shown_like_ipython(ip: Any, capsys: Any) -> None:

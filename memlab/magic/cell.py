@@ -53,8 +53,9 @@ def compile_cell(
     shell.compile.flags |= body.co_flags & _FUTURE_FLAGS
     if _is_async(body) or (expr is not None and _is_async(expr)):
         raise UsageError(
-            "%gpumem cannot measure a cell with top-level `await`: put the awaited code in an "
-            "async function and measure `asyncio.run(...)` or the non-async part instead."
+            "%gpumem cannot measure a cell with top-level `await`: in a cell without %%gpumem, "
+            "measure it with `with memlab.track() as t:` around the `await` lines, then show "
+            "`t.report`."
         )
     return body, expr, _ends_with_semicolon(transformed)
 
