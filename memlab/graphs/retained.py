@@ -78,7 +78,7 @@ class Held:
         if self.bytes > 2 * self.viewed:
             views = (
                 f" ({fmt_bytes(self.bytes - self.viewed)} of it storage kept alive by views of "
-                "bigger tensors, such as `logits[0]`: `.clone()` them)"
+                "bigger tensors: a row `t[0]` keeps all of `t`; `.clone()` such views)"
             )
         return (
             f"{self.name}: {self.tensors} tensor(s) in it hold "
