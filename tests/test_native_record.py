@@ -546,6 +546,36 @@ def test_a_free_older_than_the_record_is_counted_at_the_end_and_said() -> None:
     _child(code)
 
 
+def test_load_ext_puts_the_wrapper_in_so_a_first_cell_places_its_frees_in_time() -> None:
+    """``%load_ext memlab`` puts the allocator wrapper in at once: a model built in an
+    untracked cell and built again in the first tracked one is freed before the new one is
+    made, and the peak says so exactly (no "made before memlab's native record" note). A fresh
+    process: the wrapper must not be in yet. Unloading puts PyTorch's allocator back."""
+    code = (
+        "import torch\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "from memlab.core import native\n"
+        "assert native.unavailable() is None\n"
+        "sh = InteractiveShell.instance()\n"
+        "lib = native.library()\n"
+        "assert lib.mn_follows(torch.ones(1000).data_ptr()) == 0\n"
+        "sh.run_line_magic('load_ext', 'memlab')\n"
+        "kept = torch.ones(1000)\n"
+        "assert lib.mn_follows(kept.data_ptr()) == 1  # (no region yet)\n"
+        "sh.run_cell('from torch import nn\\nmodel = nn.Linear(1024, 1024)')\n"
+        "sh.run_cell('%%gpumem -q -b -o r\\ndel model\\nmodel = nn.Linear(1024, 1024)')\n"
+        "r = sh.user_ns['r']\n"
+        "made = (1024 * 1024 + 1024) * 4\n"
+        "assert r.allocated_before == r.allocated_after == made, r\n"
+        "assert r.peak_allocated == made, r\n"
+        "assert not r.notes, r.notes\n"
+        "sh.run_line_magic('unload_ext', 'memlab')\n"
+        "assert lib.mn_follows(torch.ones(1000).data_ptr()) == 0\n"
+        "print('ok')\n"
+    )
+    _child(code)
+
+
 def test_a_user_dispatch_mode_or_since_uses_the_dispatch_mode() -> None:
     """The native record follows a breakdown too (with its own hooks); a dispatch mode of the
     program's, or a breakdown that leaves out older storages (`since`), needs the dispatch

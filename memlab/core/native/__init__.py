@@ -111,12 +111,28 @@ def library(wait: bool = True) -> ctypes.CDLL | None:
 
 def prepare() -> None:
     """Loads the library now, or starts building it on a thread of its own (``%load_ext
-    memlab`` calls this, so that the first tracked cell does not wait for the compiler). The
-    breakdown's hooks in C (`memlab.core.native.pack`) are built after it, on the same terms."""
-    if library(wait=False) is not None:
+    memlab`` calls this, so that the first tracked cell does not wait for the compiler), and
+    puts its allocator wrapper in as soon as it is loaded: the tensors the notebook makes before
+    its first tracked cell are followed, and a cell that frees them (a model built again) places
+    those frees in time. The breakdown's hooks in C (`memlab.core.native.pack`) are built after
+    it, on the same terms."""
+    _install_at_load[:] = [True]
+    lib = library(wait=False)
+    if lib is not None:
+        lib.mn_install()  # (2: another allocator in place: the first region says so)
         from memlab.core.native import pack
 
         pack.start()
+
+
+#: Whether `prepare` asked for the wrapper as soon as the library is loaded.
+_install_at_load: list[bool] = []
+
+
+def _build_then_install() -> None:
+    lib = library()
+    if lib is not None and _install_at_load:
+        lib.mn_install()
 
 
 _builder: list[threading.Thread] = []
@@ -125,7 +141,9 @@ _builder: list[threading.Thread] = []
 def _build_in_background() -> None:
     with _lock_start:
         if not _builder:
-            thread = threading.Thread(target=library, name="memlab-native-build", daemon=True)
+            thread = threading.Thread(
+                target=_build_then_install, name="memlab-native-build", daemon=True
+            )
             _builder.append(thread)
             thread.start()
 
@@ -209,6 +227,7 @@ def uninstall(keep_fallback: bool = False) -> bool:
     again at every round), and so do the storages the record knows the ledger holds (and
     with which lasting role): the ledger is the same when the next region puts the wrapper
     back in, which would otherwise read every parameter's role again once."""
+    _install_at_load.clear()  # (a build still under way no longer puts the wrapper in)
     if _lib is None:
         return True
     return int(_lib.mn_uninstall(int(keep_fallback))) == 0

@@ -1377,6 +1377,23 @@ void mn_prefer_records(int yes) {
 // Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
 // 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
 // could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
+// The wrapper in place of PyTorch's CPU allocator, once (see the top). Under `mu`. 0: in;
+// 2: other code replaced it since (not ours to take back).
+int install_locked() {
+  if (!installed) {
+    c10::Allocator* current = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&wrapper, 0);
+    if (c10::GetCPUAllocator() != &wrapper) {
+      return 2;
+    }
+    original = current;
+    installed = true;
+  } else if (c10::GetCPUAllocator() != &wrapper) {
+    return 2;
+  }
+  return 0;
+}
+
 int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
   try {
     std::lock_guard<std::mutex> g(mu);
@@ -1391,16 +1408,9 @@ int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
     if (!at::isRecordFunctionEnabled()) {
       return 3;
     }
-    if (!installed) {
-      c10::Allocator* current = c10::GetCPUAllocator();
-      c10::SetCPUAllocator(&wrapper, 0);
-      if (c10::GetCPUAllocator() != &wrapper) {
-        return 2;
-      }
-      original = current;
-      installed = true;
-    } else if (c10::GetCPUAllocator() != &wrapper) {
-      return 2;  // replaced since by other code: not ours to take back
+    const int in = install_locked();
+    if (in != 0) {
+      return in;
     }
     drop_weak_refs();
     if (ledger != reported_to) {  // another ledger: it knows none of the storages reported
@@ -1449,6 +1459,14 @@ int mn_begin(int64_t max_events, int64_t ledger, int keep_events) {
   const int code = begin_locked(max_events, ledger, keep_events);
   release_deferred();
   return code;
+}
+
+// The wrapper in now, before any region (`%load_ext memlab`): the blocks a notebook allocates
+// before its first tracked cell are followed, so that a region that frees them places each free
+// in time. As install_locked.
+int mn_install() {
+  std::lock_guard<std::mutex> g(mu);
+  return install_locked();
 }
 
 // A thread started while the region is open joins it (memlab/core/native/joiner.py): the key

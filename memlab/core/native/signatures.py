@@ -28,6 +28,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_release.restype = None
     lib.mn_follows.argtypes = [ctypes.c_size_t]
     lib.mn_follows.restype = ctypes.c_int
+    lib.mn_install.argtypes = []
+    lib.mn_install.restype = ctypes.c_int
     lib.mn_uninstall.argtypes = [ctypes.c_int]
     lib.mn_uninstall.restype = ctypes.c_int
     lib.mn_thread_join.argtypes = []
