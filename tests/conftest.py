@@ -275,3 +275,16 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield from chromium(tmp_path_factory.mktemp("chromium"))
     except RuntimeError as e:  # Chromium missing: a failure that says how to get it
         pytest.fail(str(e))
+
+
+@pytest.fixture
+def route(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The route the native record follows ops by, forced for the test (parametrized
+    indirectly: "dispatch key" or "RecordFunction", as on a PyTorch without the key)."""
+    from memlab.core import native
+
+    lib = native.library()
+    assert lib is not None
+    lib.mn_prefer_records(int(request.param == "RecordFunction"))
+    yield request.param
+    lib.mn_prefer_records(0)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_native_record import NOT_FOLLOWED, PERTURBED, ROUTES, WORKLOADS, route  # noqa: F401
+from test_native_record import NOT_FOLLOWED, PERTURBED, ROUTES, WORKLOADS
 from torch import nn
 
 import memlab
@@ -54,10 +54,22 @@ def func_grad_input_dropped() -> Callable[[], Any]:
     return body
 
 
+def module_cast() -> Callable[[], Any]:
+    """A module cast in the region and never called (``model.half()`` before inference): its
+    parameters' new memory is parameter memory, on both routes."""
+    model = nn.Linear(128, 128)
+
+    def body() -> nn.Module:
+        return model.half().double().bfloat16()
+
+    return body
+
+
 CASES = {
     **WORKLOADS,
     "optimizer-dropped": optimizer_dropped_after_its_step,
     "func-grad-dropped-input": func_grad_input_dropped,
+    "module-cast": module_cast,
 }
 
 
@@ -108,3 +120,12 @@ def test_what_was_dropped_in_the_region_is_gone_at_its_end(monkeypatch: pytest.M
     assert b.at_peak[memlab.Category.OPTIMIZER_STATE] >= 2 * params  # (and the step counters)
     g = measured("func-grad-dropped-input", True, monkeypatch)
     assert g.allocated_after - g.allocated_before == 2**14 * 4  # the gradient alone
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "dispatch mode"])
+def test_a_module_cast_in_the_region_is_parameter_memory(
+    native_on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = measured("module-cast", native_on, monkeypatch)
+    assert r.breakdown is not None
+    assert dict(r.breakdown.at_end) == {memlab.Category.PARAMETER: (128 * 128 + 128) * 2}

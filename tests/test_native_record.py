@@ -307,15 +307,6 @@ ROUTES = ["dispatch key", "RecordFunction"]
 NOT_FOLLOWED = {"RecordFunction": {"func-vmap-grad"}}
 
 
-@pytest.fixture
-def route(request: pytest.FixtureRequest) -> Any:
-    lib = native.library()
-    assert lib is not None
-    lib.mn_prefer_records(int(request.param == "RecordFunction"))
-    yield request.param
-    lib.mn_prefer_records(0)
-
-
 @pytest.mark.parametrize("route", ROUTES, indirect=True)
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_native_figures_equal_the_dispatch_modes(

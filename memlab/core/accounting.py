@@ -267,9 +267,8 @@ class Accountant(Roles):
         self._safely(_OPT, self.watch_optimizer, opt)
 
     def _remember_leaves_of(self, node: Any) -> None:
-        """The leaves this backward pass will give gradients to: the variables of the graph's
-        AccumulateGrad nodes. (A region that runs only backward never saw the forward that
-        would have told us which tensors are parameters.)"""
+        """The leaves this backward gives gradients to (its AccumulateGrad nodes' variables): a
+        region that runs only backward never saw the forward that says what is a parameter."""
         for n in iter_nodes([node]):
             if isinstance(leaf := getattr(n, "variable", None), torch.Tensor):
                 self._remember_leaf(leaf)
@@ -287,9 +286,12 @@ class Accountant(Roles):
             self.mark(grad, Category.GRADIENT)
 
     def finish(self) -> None:
-        """Last look before the report: gradients, optimizer states, older graphs released."""
+        """Last look before the report: parameters in new memory (a cast), gradients,
+        optimizer states, older graphs released."""
         older_graphs.released()
         self.ledger.settle()
+        for leaf in list(self._leaves.keys()):  # (as the native record's end does)
+            self._safely("a parameter's role not read", self._remember_leaf, leaf)
         self.sweep_gradients()
         for opt in list(self._optimizers):
             self._safely(_OPT, self.watch_optimizer, opt)
