@@ -13,8 +13,8 @@ what only Python knows, through hooks that do little per call:
 * saved tensors: the pack hook is a C function (`memlab.core.native.pack`; until it is built,
   the library's own op ``memlab::saved``, called without a Python frame), which logs the saving
   and returns an alias that logs when autograd lets it go;
-* the optimizers stepped, whose state is named at the region's end; Hugging Face's key/value
-  caches, named at each update (`memlab.core.kv_caches`).
+* the optimizers stepped, named after each step and at the region's end; Hugging Face's
+  key/value caches, named at each update (`memlab.core.kv_caches`).
 """
 
 from __future__ import annotations
@@ -68,13 +68,10 @@ class NativeRoles(Roles):
         self._marked = {}
         self._prune_at = 4096
         self._optimizers = weakref.WeakSet()  # (the base class's: `watch` of an optimizer)
-        #: The optimizers stepped in the open region, held weakly: one the program drops in
-        #: the region frees its parameters and state there, and the region's end must see that.
+        #: The optimizers stepped in the open region, held weakly (one dropped there is freed)
         self._stepped: list[weakref.ref[torch.optim.Optimizer]] = []
         #: Per optimizer: the identities of its parameters and state tensors when last named.
-        self._named: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._named: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
         self._optimizer_depth = 0
         self.labelled = 0
         self._cell = ctypes.c_int.in_dll(lib, "mn_py_phase")
