@@ -19,6 +19,7 @@ from transformers import BatchEncoding, GPT2Config, GPT2LMHeadModel
 
 import memlab
 from memlab import Category
+from memlab.graphs.retained import find_retained
 from memlab.graphs.saved import wrapped_number
 
 MEMLAB = str(Path(memlab.__file__).parent)
@@ -160,6 +161,35 @@ def test_a_python_autograd_function_s_saved_tensors_are_counted() -> None:
     assert t.report.breakdown is not None
     assert graph.exact
     assert graph.activation_bytes == a.nbytes == t.report.breakdown.at_end[Category.ACTIVATION]
+
+
+def test_tensors_a_python_function_keeps_on_ctx_are_counted_as_kept_for_backward() -> None:
+    """``ctx.scale = y * 2`` (not ``save_for_backward``) holds its tensor as long as the node:
+    the graph counts it, directly and inside a list or dict on the ctx, and the retained-graph
+    finder sees the bytes a variable holding the output keeps alive."""
+
+    class Kept(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            y = x.exp()
+            ctx.scale = y * 2
+            ctx.parts = [y + 1, 3]
+            ctx.named = {"z": y - 1}
+            ctx.n = 5
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * ctx.scale / 2  # type: ignore[no-any-return]
+
+    x = torch.randn(1000, 250, requires_grad=True)
+    out = Kept.apply(x).sum()
+    graph = memlab.graph_of(out)
+    assert graph.exact
+    assert graph.activation_bytes == 3 * x.nbytes  # scale, parts[0], named["z"]
+    found = find_retained({"out": out})
+    assert [r.name for r in found.items] == ["out"]
+    assert found.items[0].bytes >= 3 * x.nbytes
 
 
 def test_make_dot_draws_a_graph_deeper_than_the_recursion_limit() -> None:

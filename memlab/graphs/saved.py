@@ -1,5 +1,6 @@
 """What an autograd node saved for backward, read from its ``_saved_*`` attributes (and a Python
-``autograd.Function``'s ``saved_tensors``), and the nodes whose saved tensors cannot be read."""
+``autograd.Function``'s ``saved_tensors`` and the tensors it keeps on ``ctx``), and the nodes
+whose saved tensors cannot be read."""
 
 from __future__ import annotations
 
@@ -59,6 +60,39 @@ def saved_values(node: Any) -> Iterator[tuple[str, torch.Tensor | Packed]]:
                 yield name, t
             elif t is HOOKED:
                 yield name, packed(saved_hook(node, name))
+    if isinstance(node, BackwardCFunction) and not _torchs_own(node):
+        yield from ctx_tensors(node)
+
+
+def _torchs_own(node: Any) -> bool:
+    """A Function of PyTorch's own (the reentrant checkpoint's keeps its RNG states on ctx, host
+    bookkeeping that is not what backward computes from; its inputs are saved as usual)."""
+    cls = getattr(type(node), "_forward_cls", None)
+    return str(getattr(cls, "__module__", "")).split(".")[0] == "torch"
+
+
+def ctx_tensors(node: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a Python ``autograd.Function`` keeps on its ``ctx`` as attributes
+    (``ctx.scale = y * 2``) rather than through ``save_for_backward``: held as long as the
+    node, as saved tensors are, and after backward too. Directly, or in a list, tuple or dict
+    there; read from the instance's own dict, running none of the program's code."""
+    try:
+        own = object.__getattribute__(node, "__dict__")
+        items = list(own.items()) if type(own) is dict else []
+    except Exception:  # (a node without an instance dict)
+        return
+    for attr, value in items:
+        kind = type(value)
+        inner = value.values() if kind is dict else value if kind in (list, tuple) else (value,)
+        if len(inner) > _MAX_IN_CTX:
+            continue
+        for t in inner:
+            if isinstance(t, torch.Tensor):
+                yield f"ctx.{attr}", t
+
+
+#: A list, tuple or dict on a ctx longer than this is not looked into (the walk stays bounded).
+_MAX_IN_CTX = 1000
 
 
 def kept_for_backward(node: Any, frames: dict[int, Any]) -> Iterator[torch.Tensor | None]:
