@@ -102,6 +102,29 @@ def test_magic_names_the_leaking_variable(ip: Any) -> None:
     assert "-o NAME" in str(run(ip, "%gpumem_leaks --bogus").error_in_exec)
 
 
+def test_magic_finds_a_graph_the_output_history_keeps(ip: Any) -> None:
+    """A cell that ends with ``loss`` keeps it, graph and all, in ``Out[N]`` (and ``_N``, ``_``)
+    after ``del loss``: the trap the course's notebook 03 teaches. The finder names it, with the
+    bytes one forward saves, and says how to let it go."""
+    run(
+        ip,
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), "
+        "torch.nn.Linear(128, 10))\nx = torch.randn(32, 64)",
+    )
+    shown = run(ip, "loss = model(x).sum()\nloss")
+    run(ip, "del loss")
+    r = run(ip, "%gpumem_leaks -o leaks")
+    assert r.success
+    found = ip.user_ns["leaks"]
+    n = shown.execution_count
+    assert [i.name for i in found.items] == [f"Out[{n}]"]
+    assert found.total == 32 * 128 * 4
+    assert "%reset -f out" in found.items[0].fix and f"_{n}" in found.items[0].fix
+    run(ip, "%reset -f out")
+    assert not run(ip, "%gpumem_leaks -o leaks").error_in_exec
+    assert ip.user_ns["leaks"].items == ()
+
+
 def test_the_fix_has_no_literal_backticks_and_no_nested_brackets() -> None:
     import re
 

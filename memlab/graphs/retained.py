@@ -49,6 +49,12 @@ class Retained:
     @property
     def fix(self) -> str:
         # code marked `like this`: <code> in HTML, plain in text
+        if self.name.startswith(_OUT):  # IPython's output history (also `_`, `_N`)
+            return (
+                f"IPython's output history keeps the cell's value (also as `_{self.name[4:-1]}`): "
+                "`%reset -f out` lets it go; end such a cell with `;`, or show a number "
+                "(`loss.item()`)"
+            )
         if self.example != self.name:  # inside a container or an object
             return (
                 f"keep numbers or detached tensors in {self.name}: `loss.item()`, "
@@ -181,13 +187,19 @@ class RetainedReport(Result):
 
 @users_traceback()
 def find_retained(
-    namespace: Mapping[str, Any], *, depth: int = 3, skip: Container[str] = ()
+    namespace: Mapping[str, Any],
+    *,
+    depth: int = 3,
+    skip: Container[str] = (),
+    outputs: Mapping[int, Any] | None = None,
 ) -> RetainedReport:
     """Variables of ``namespace`` whose tensors keep autograd graphs' saved tensors alive.
 
-    Names starting with ``_`` and names in ``skip`` (IPython's own: In, Out, ...) are ignored.
-    No code of the namespace's objects is run (see `memlab.graphs.scan`); what cannot be read
-    is skipped and counted in the report's notes."""
+    Names starting with ``_`` and names in ``skip`` (IPython's own: In, Out, ...) are ignored;
+    ``outputs``, IPython's output history (cell number -> value), is looked at as ``Out[N]``
+    (a cell that ends with ``loss`` keeps its graph there, and in ``_N`` and ``_``). No code of
+    the namespace's objects is run (see `memlab.graphs.scan`); what cannot be read is skipped
+    and counted in the report's notes."""
     if not isinstance(namespace, Mapping):
         raise TypeError(
             f"find_retained: namespace is a {type(namespace).__name__}: pass a mapping of names "
@@ -201,6 +213,9 @@ def find_retained(
         for name, value in list(pairs)
         if type(name) is str and not name.startswith("_") and name not in skip
     ]
+    if outputs is not None and isinstance(outputs, Mapping):
+        kept_out = dict.items(outputs) if issubclass(type(outputs), dict) else outputs.items()
+        variables += [(f"{_OUT}{n}]", v) for n, v in list(kept_out) if type(n) is int]
     found: dict[str, list[tuple[str, Any]]] = {}
     held: set[int] = set()  # storages a variable holds anyway (detaching frees none of them)
     keep: list[Any] = []  # hold storages while comparing their ids
@@ -271,5 +286,7 @@ def find_retained(
     return RetainedReport(tuple(items), skipped.notes(), tuple(freed), tuple(logged[:5]))
 
 
+#: How a value of the output history is named (``Out[2]``).
+_OUT = "Out["
 #: Variables that may be a loop's log: the built-in containers.
 _CONTAINERS = (list, tuple, dict, set)

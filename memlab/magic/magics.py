@@ -233,7 +233,8 @@ class GpumemMagics(Magics):
             free_for(out, self.sh.user_ns, "%gpumem_leaks")
         elif args:
             raise UsageError("%gpumem_leaks takes no arguments but -o NAME.")
-        report = find_retained(self.sh.user_ns, skip=self.sh.user_ns_hidden)
+        outputs = getattr(getattr(self.sh, "history_manager", None), "output_hist", None)
+        report = find_retained(self.sh.user_ns, skip=self.sh.user_ns_hidden, outputs=outputs)
         if out:
             self.sh.user_ns[out] = report
         display(report)
