@@ -143,6 +143,19 @@ def test_step_fn_mistakes_name_the_argument(kwargs: dict[str, object], message: 
         run(net, labelled, device="cpu", batch_size=8, **kwargs)  # type: ignore[arg-type]
 
 
+def test_a_batch_given_for_input_fn_says_to_pass_a_function() -> None:
+    """A tensor where the function that makes one belongs: the run and the estimate name the
+    argument, what it got (not its values) and what to pass, before anything runs."""
+    said = r"input_fn must be a function, not a tensor of shape \(8, 32\): e\.g\. input_fn=lambda n"
+    x = torch.randn(8, 32)
+    with pytest.raises(WhatIfError, match=said):
+        run(net, x, device="cpu", batch_size=8)  # type: ignore[arg-type]
+    with pytest.raises(WhatIfError, match=said):
+        estimate(net, x, batch_size=8, gpu="T4")  # type: ignore[arg-type]
+    with pytest.raises(WhatIfError, match=r"loss_fn must be a function, not int 3: e\.g\."):
+        estimate(net, labelled, loss_fn=3, batch_size=8, gpu="T4")  # type: ignore[arg-type]
+
+
 def test_the_panel_takes_a_step_fn() -> None:
     ex = Explorer(net, labelled, step_fn=cross_entropy, config=RunConfig(device="cpu"))
     result = ex.run()

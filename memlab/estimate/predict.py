@@ -51,7 +51,7 @@ from memlab.region import track
 from memlab.region.assemble import thin
 from memlab.reports.report import MemoryReport, Timeline
 from memlab.step import RunConfig, StepHooks, WhatIfError, blocks, run
-from memlab.step.model import check_flags, config_of
+from memlab.step.model import check_callable, check_flags, config_of
 from memlab.step.ranks import one_process
 from memlab.step.user import InputFn, LossFn, ModelFn, StepFn
 
@@ -95,6 +95,9 @@ def estimate(
     >>> e.fits(), e.peak_allocated, e.peak_reserved
     """
     check_flags(WhatIfError, cuda_kernels=cuda_kernels, trace=trace)
+    for name, fn in (("input_fn", input_fn), ("loss_fn", loss_fn), ("step_fn", step_fn)):
+        if fn is not None or name == "input_fn":
+            check_callable(name, fn)
     config = config_of(config, settings).with_(device="meta", budget=None)
     since = default_ledger().next_serial()
     one_process(config)  # one rank's share: per_rank(estimate, ...) divides this estimate

@@ -68,10 +68,25 @@ def config_of(config: Any, overrides: dict[str, Any]) -> RunConfig:
     return base.with_(**overrides) if overrides else base
 
 
+#: What each of the user's functions is, as an example of what to pass.
+_EXAMPLES = {"model_fn": "lambda: MyModel(config)", "input_fn": "lambda n: torch.randn(n, 512)",
+             "loss_fn": "lambda output: output.logits.mean()",
+             "step_fn": "lambda model, b: F.cross_entropy(model(b[0]), b[1])"}  # fmt: skip
+
+
+def check_callable(name: str, fn: Any) -> None:
+    """A WhatIfError naming ``name``, what it got and what to pass where ``fn`` is no function."""
+    if not callable(fn):
+        got = f"a tensor of shape {tuple(fn.shape)}" if isinstance(fn, torch.Tensor) else None
+        raise WhatIfError(
+            f"{name} must be a function, not {got or f'{type(fn).__name__} {fn!r:.60}'}: e.g. "
+            f"{name}={_EXAMPLES.get(name, '...')}."
+        )
+
+
 def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; what it raises becomes a WhatIfError naming ``name`` (OOM passes)."""
-    if not callable(fn):
-        raise WhatIfError(f"{name} must be a function, not {type(fn).__name__}.")
+    check_callable(name, fn)
     try:
         return fn(*args)
     except (WhatIfError, torch.cuda.OutOfMemoryError):
