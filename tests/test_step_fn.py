@@ -156,6 +156,12 @@ def test_a_batch_given_for_input_fn_says_to_pass_a_function() -> None:
         estimate(net, labelled, loss_fn=3, batch_size=8, gpu="T4")  # type: ignore[arg-type]
 
 
+def test_a_dict_with_a_name_the_forward_does_not_take_names_both() -> None:
+    said = r"refused the keyword argument\(s\) input_fn returned \(inp: .*forward takes \(input\)"
+    with pytest.raises(WhatIfError, match=said):
+        run(net, lambda n: {"inp": torch.randn(n, 32)}, device="cpu", batch_size=8)
+
+
 def test_the_panel_takes_a_step_fn() -> None:
     ex = Explorer(net, labelled, step_fn=cross_entropy, config=RunConfig(device="cpu"))
     result = ex.run()

@@ -214,7 +214,8 @@ def find_retained(
         if type(name) is str and not name.startswith("_") and name not in skip
     ]
     if outputs is not None and isinstance(outputs, Mapping):
-        kept_out = dict.items(outputs) if issubclass(type(outputs), dict) else outputs.items()
+        history: Any = outputs  # (a dict's own items, as for the namespace)
+        kept_out = dict.items(history) if issubclass(type(outputs), dict) else outputs.items()
         variables += [(f"{_OUT}{n}]", v) for n, v in list(kept_out) if type(n) is int]
     found: dict[str, list[tuple[str, Any]]] = {}
     held: set[int] = set()  # storages a variable holds anyway (detaching frees none of them)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,13 @@ class UserStep:
         try:
             return self.model(*args, **kwargs)
         except Exception as e:
+            if isinstance(e, TypeError) and refused_arguments(e) and kwargs:
+                raise WhatIfError(
+                    f"the model's forward refused the keyword argument(s) input_fn returned "
+                    f"({', '.join(map(str, kwargs))}: {message_of(e)}). Return a dict of the "
+                    f"names its forward takes{_parameters_of(self.model)}, or give your own "
+                    "forward: step_fn=lambda model, batch: ..."
+                ) from e
             if isinstance(e, TypeError) and refused_arguments(e):
                 raise WhatIfError(
                     f"the model's forward refused the {len(args)} argument(s) input_fn "
@@ -248,3 +256,13 @@ def refused_arguments(e: TypeError) -> bool:
     where = tb.tb_frame.f_code.co_filename if tb is not None else ""
     words = ("positional argument", "unexpected keyword argument", "required positional")
     return where.endswith(("module.py", "run.py")) and any(w in message_of(e) for w in words)
+
+
+def _parameters_of(model: Any) -> str:
+    """`` (x, mask)``: the names the model's class's forward takes, or nothing where they
+    cannot be read without running the program's code."""
+    try:
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+    except Exception:
+        return ""
+    return f" ({', '.join(names)})" if names else ""
