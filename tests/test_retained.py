@@ -125,6 +125,16 @@ def test_magic_finds_a_graph_the_output_history_keeps(ip: Any) -> None:
     assert ip.user_ns["leaks"].items == ()
 
 
+def test_a_leaf_only_the_graph_holds_is_charged_and_a_variables_is_not() -> None:
+    """``randn(..., requires_grad=True).sin()``: the leaf is no parameter and no variable holds
+    it; sin saved it, and the graph alone keeps its 360,000 bytes alive."""
+    t = torch.randn(300, 300, requires_grad=True).sin()
+    found = find_retained({"t": t})
+    assert [(i.name, i.bytes) for i in found.items] == [("t", 300 * 300 * 4)]
+    x = torch.randn(300, 300, requires_grad=True)
+    assert find_retained({"u": x.sin(), "x": x}).items == ()
+
+
 def test_the_fix_has_no_literal_backticks_and_no_nested_brackets() -> None:
     import re
 

@@ -245,9 +245,11 @@ def find_retained(
     for name, graphs in found.items():
         nodes = list(iter_nodes(g for _, g in graphs))
         leaves: set[int] = set()
+        # a model's parameters are held anyway; another leaf only the graph holds (made
+        # inline: `randn(..., requires_grad=True).sin()`) is the graph's, freed with it
         for node in nodes:
             leaf = getattr(node, "variable", None)
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.nn.Parameter):
                 parts = storages(leaf) or ()
                 keep.extend(parts)
                 leaves.update(id(st) for st in parts)
