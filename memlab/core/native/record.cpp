@@ -1374,19 +1374,23 @@ void mn_prefer_records(int yes) {
   prefer_records = yes != 0;
 }
 
-// Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
-// 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
-// could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
 // The wrapper in place of PyTorch's CPU allocator, once (see the top). Under `mu`. 0: in;
 // 2: other code replaced it since (not ours to take back).
 int install_locked() {
   if (!installed) {
+    // `original` first: another thread may allocate through the wrapper the moment it is in
+    // (%load_ext puts it in from the build's thread while the notebook runs)
     c10::Allocator* current = c10::GetCPUAllocator();
+    if (current != &wrapper) {  // (ours put back by other code: the one it wraps stays)
+      original = current;
+    }
+    if (original == nullptr) {
+      return 2;
+    }
     c10::SetCPUAllocator(&wrapper, 0);
     if (c10::GetCPUAllocator() != &wrapper) {
       return 2;
     }
-    original = current;
     installed = true;
   } else if (c10::GetCPUAllocator() != &wrapper) {
     return 2;
@@ -1394,6 +1398,9 @@ int install_locked() {
   return 0;
 }
 
+// Opens a region on the calling thread, for the ledger whose identity is `ledger`. 0: open;
+// 1: another region is open (or its record is not yet released); 2: PyTorch's CPU allocator
+// could not be replaced (a higher-priority allocator is set); 3: failed otherwise.
 int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
   try {
     std::lock_guard<std::mutex> g(mu);
