@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,9 +171,10 @@ def _put_back(group: dict[str, Any], values: dict[str, Any]) -> None:
             group[k] = v
 
 
-#: PyTorch's warnings that a scheduler stepped before its optimizer: in a run, the step's own
-#: optimizer is memlab's, so the program's never steps and the warning would point at nothing.
-_ORDER = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `optimizer\.step\(\)`)"
+#: What PyTorch's schedulers read to warn that one stepped before its optimizer did. In a run
+#: the optimizer that steps is memlab's, never the program's, so the warning would blame the
+#: program's order: the scheduler's optimizer is said to have stepped, for the call alone.
+_STEPPED = "_opt_called"
 
 
 def _schedulers() -> list[type]:
@@ -201,11 +201,18 @@ def _patches(loop: OwnLoop) -> list[tuple[Any, str, Any]]:
 
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             loop.scheduler_stepped(self)
-            if not loop.mine():
+            opt = getattr(self, "optimizer", None)
+            if not loop.mine() or opt is None or getattr(opt, _STEPPED, False):
                 return original(self, *args, **kwargs)
-            with warnings.catch_warnings():  # (the run steps its own optimizer, never this one)
-                warnings.filterwarnings("ignore", _ORDER, UserWarning)
+            try:  # (see _STEPPED; never warnings.catch_warnings: not for a panel's thread)
+                setattr(opt, _STEPPED, True)
+            except Exception:
                 return original(self, *args, **kwargs)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                with contextlib.suppress(Exception):
+                    delattr(opt, _STEPPED)
 
         return step
 
