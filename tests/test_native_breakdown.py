@@ -33,7 +33,6 @@ from typing import Any
 import pytest
 import torch
 from test_native_record import NOT_FOLLOWED, ROUTES, WORKLOADS, hf_gpt2_step
-from test_native_record import route as route  # the fixture: prefers one route, then resets
 from torch import nn
 
 import memlab
