@@ -1,7 +1,7 @@
 """``$name`` and ``{name}`` in a ``%gpumem`` line, expanded only where the line has them.
 
 IPython expands them in every magic's line unless the magic opts out, and to do so it copies the
-whole namespace at every call: with 10,000 names in the notebook, a tenth of a millisecond per
+whole namespace at every call: with 10,000 names in the notebook, tenths of a millisecond per
 tracked cell. ``%%gpumem`` and ``%gpumem`` opt out and ask for the expansion themselves when the
 options hold a ``$`` or a ``{``, with the names IPython would have used (the notebook's, and the
 locals of the frame that called the magic). The statement of ``%gpumem STATEMENT`` is never
