@@ -11,13 +11,12 @@ dispatch mode's, and the rows at the end add up to "after", at the peak to the p
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from test_native_record import NOT_FOLLOWED, PERTURBED, ROUTES, WORKLOADS
+from test_native_record import NOT_FOLLOWED, PERTURBED, ROUTES, WORKLOADS, report_of
 from torch import nn
 
 import memlab
@@ -74,18 +73,7 @@ CASES = {
 
 
 def measured(name: str, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
-    gc.collect()  # the other run's objects are gone: they would count in `before`
-    lib = native.library()
-    if native_on and lib is not None:  # the wrapper in before the workload's tensors are
-        lib.mn_install()  # made, as %load_ext puts it (whatever ran before in this process)
-    torch.manual_seed(0)
-    body = CASES[name]()
-    kept: list[Any] = []
-    with memlab.track("cpu", breakdown=True) as t:
-        kept.append(body())
-    assert (t._native is not None) == native_on
-    return t.report
+    return report_of(CASES[name], native_on, monkeypatch, breakdown=True)
 
 
 @pytest.mark.parametrize("route", ROUTES, indirect=True)

@@ -35,7 +35,10 @@ pytestmark = pytest.mark.skipif(native.too_old() is not None, reason=str(native.
 Workload = Callable[[], Callable[[], Any]]
 
 
-def figures(build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, ...]:
+def report_of(
+    build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch, breakdown: bool = False
+) -> Any:
+    """The CPU report of one run of ``build``'s body, by the native record or the dispatch mode."""
     monkeypatch.setenv("MEMLAB_NATIVE", "1" if native_on else "0")
     gc.collect()  # the other run's objects are gone: they would count in `before`
     lib = native.library()
@@ -44,10 +47,14 @@ def figures(build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch) -
     torch.manual_seed(0)
     body = build()
     kept: list[Any] = []
-    with memlab.track("cpu") as t:
+    with memlab.track("cpu", breakdown=breakdown) as t:
         kept.append(body())
     assert (t._native is not None) == native_on
-    r = t.report
+    return t.report
+
+
+def figures(build: Workload, native_on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, ...]:
+    r = report_of(build, native_on, monkeypatch)
     return (r.allocated_before, r.allocated_after, r.peak_allocated)
 
 

@@ -226,10 +226,10 @@ def parse_statement_line(
 ) -> tuple[Options, str]:
     """``%gpumem [options] STATEMENT``: the statement is kept verbatim, never re-tokenised;
     ``expand``, where given, is applied to the options alone (IPython's ``$name``)."""
-    if expand is not None:
-        _, _, pos = _options_of(line)
-        line = expand(line[:pos]) + line[pos:]
     tokens, expecting_value, pos = _options_of(line)
+    if expand is not None and (head := expand(line[:pos])) != line[:pos]:
+        line = head + line[pos:]  # (read again: what $name held may hold several words)
+        tokens, expecting_value, pos = _options_of(line)
     statement = line[pos:].strip()
     if expecting_value:
         raise UsageError(f"%gpumem: option {tokens[-1]} needs a value.")
