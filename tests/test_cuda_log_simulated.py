@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import memlab
 from memlab import Category
-from memlab.core import _torch, cuda_log, cuda_older
+from memlab.core import _torch, cuda_log, cuda_older, transforms
 from memlab.core.cuda_trace import rounded
 
 
@@ -119,6 +119,10 @@ def simulated(monkeypatch: Any) -> Any:
     sim.close()
 
 
+#: What each region read from the log found when it opened (`through_the_log`).
+_OPENED: list[str] = []
+
+
 def through_the_log(
     sim: SimulatedAllocator,
     run: Callable[[], Any],
@@ -132,7 +136,11 @@ def through_the_log(
     assert log is not None
     log.names.any_device = True
     log.counters = _Counters(before)
+    on = _torch.saved_tensors_hooks_on()
     log.start()
+    # (what a region found in force when it opened, and took it for: said where a test fails)
+    _OPENED.append(f"in force {on!r}, alias {log.names.alias!r}, memlab's {transforms._OURS!r}")
+    del _OPENED[:-2]
     try:
         out = run()
     finally:
@@ -264,7 +272,7 @@ def forward_then_backward(simulated: Any) -> None:
     )
     # the earlier region's graph: activations until backward frees them; weights it saved stay
     # parameters; gradients made; nothing saved is left
-    assert bwd.at_peak[Category.ACTIVATION] >= saved - SLACK
+    assert bwd.at_peak[Category.ACTIVATION] >= saved - SLACK, _OPENED[-2:]
     assert bwd.at_end.get(Category.ACTIVATION, 0) == 0
     assert bwd.at_end[Category.PARAMETER] == fwd.at_end[Category.PARAMETER]
     grads = sum(rounded(p.grad.nbytes) for p in model.parameters() if p.grad is not None)

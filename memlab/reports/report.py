@@ -197,7 +197,10 @@ class MemoryReport(Result):
         from memlab.snapshot.write import write_timeline
 
         tl = self._timeline_or_raise("to_snapshot")
-        return write_timeline(path, self.allocated_before, tl.seconds, tl.allocated, tl.phases)
+        origin = (self.device, self.source.value)  # (read back as this device, not cuda:0)
+        return write_timeline(
+            path, self.allocated_before, tl.seconds, tl.allocated, tl.phases, origin
+        )
 
     def chart(self) -> Chart:
         """The timeline as an interactive chart (zoom, pan, hover; works offline)."""

@@ -13,7 +13,7 @@ from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.limits import check_counts, check_values
-from memlab.snapshot.result import TOP, Allocation, Snapshot, largest
+from memlab.snapshot.result import TOP, Allocation, Snapshot, largest, origin_of
 from memlab.snapshot.stream import stream
 from memlab.snapshot.trace import Trace, busiest, choose, reserving_most, source_line
 from memlab.snapshot.unpickle import SnapshotError, check_path
@@ -204,4 +204,5 @@ def _report(
         top=largest(trace),
         trace=trace,
         notes=tuple(notes),
+        origin=origin_of(data),
     )

@@ -4,6 +4,7 @@ allocations with the line that made each, the live blocks and how fragmented the
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,14 @@ class Snapshot(Result):
     top: tuple[Allocation, ...]
     trace: Trace = field(repr=False, compare=False)
     notes: tuple[str, ...] = ()
+    #: Where memlab wrote the file from a report: that report's device and source (`origin_of`).
+    origin: tuple[str, Source] | None = None
+
+    @property
+    def where(self) -> str:
+        """The device the figures are of: ``cuda:N``, or the device of the memlab report the file
+        was written from (``cpu``: a snapshot holds no device of its own but a GPU's number)."""
+        return self.origin[0] if self.origin is not None else f"cuda:{self.device}"
 
     @property
     def before(self) -> int:
@@ -110,8 +119,8 @@ class Snapshot(Result):
         """The trace as a `MemoryReport`: before, after, peak, reserved and the timeline."""
         t = self.trace
         return MemoryReport(
-            device=f"cuda:{self.device}",
-            source=Source.CUDA_ALLOCATOR,
+            device=self.where,
+            source=self.origin[1] if self.origin is not None else Source.CUDA_ALLOCATOR,
             allocated_before=t.before,
             allocated_after=int(t.totals[-1]) if len(t.totals) else t.before,
             peak_allocated=self.peak,
@@ -130,14 +139,15 @@ class Snapshot(Result):
         """The interactive timeline (zoom, pan, hover an allocation); works offline."""
         from memlab.snapshot.interactive import chart_of_trace
 
-        return chart_of_trace(self.trace, f"{self.path} · cuda:{self.device}")
+        return chart_of_trace(self.trace, f"{self.path} · {self.where}")
 
     @users_traceback()
     def to_snapshot(self, path: str | os.PathLike[str]) -> Path:
         """Write the trace back as a snapshot (memlab's reading of it, frames cut to one)."""
         from memlab.snapshot.write import write_trace
 
-        return write_trace(self.trace, path)
+        origin = None if self.origin is None else (self.origin[0], self.origin[1].value)
+        return write_trace(self.trace, path, origin)
 
     def _figures(self) -> list[tuple[str, int]]:
         return [
@@ -157,7 +167,7 @@ class Snapshot(Result):
         elif not self.trace.timed:
             span = f"{len(self.trace.times)} events (no times recorded)"
         sub = (
-            f"cuda:{self.device}, {self.events:,} events over {span}, {self.segments} segments, "
+            f"{self.where}, {self.events:,} events over {span}, {self.segments} segments, "
             f"fragmentation {self.fragmentation:.0%}"
         )
         return f"memory snapshot {self.path}", sub
@@ -192,6 +202,7 @@ class Snapshot(Result):
         return {
             "path": self.path,
             "device": self.device,
+            "where": self.where,
             "events": self.events,
             "before": self.before,
             "peak": self.peak,
@@ -207,6 +218,18 @@ class Snapshot(Result):
             "timeline": self.timeline.to_dict(),
             "notes": list(self.notes),
         }
+
+
+def origin_of(data: Mapping[str, Any]) -> tuple[str, Source] | None:
+    """The device ("cpu", "cuda:1", "predicted T4 (16 GiB)") and source memlab wrote beside a
+    timeline it saved (`MemoryReport.to_snapshot`); None for torch's own files, and for values
+    no memlab report holds."""
+    device, source = data.get("memlab_device"), data.get("memlab_source")
+    if data.get("written_by") != "memlab" or not isinstance(device, str):
+        return None
+    if not 0 < len(device) <= 80 or not device.isprintable() or source not in Source.values():
+        return None
+    return device, Source(source)
 
 
 def largest(t: Trace, n: int = TOP) -> tuple[Allocation, ...]:

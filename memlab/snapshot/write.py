@@ -31,6 +31,8 @@ from memlab.snapshot.trace import GROUPS, Trace
 BASE, ALIGN = 0x7F00_0000_0000, 512
 #: pickle protocol 4: what torch writes on Python 3.8 to 3.13, and what its viewer reads.
 PROTOCOL = 4
+#: The device a written timeline is of ("cpu", "cuda:1") and its figures' source ("cpu-allocator").
+Origin = tuple[str, str]
 
 
 @dataclass
@@ -82,8 +84,12 @@ def timeline_events(
     return [e for _, _, e in events], live
 
 
-def snapshot_dict(events: list[dict[str, Any]], live: list[tuple[int, int]]) -> dict[str, Any]:
-    """The snapshot dict: the events on device 0, each live allocation a segment of its own."""
+def snapshot_dict(
+    events: list[dict[str, Any]], live: list[tuple[int, int]], origin: Origin | None = None
+) -> dict[str, Any]:
+    """The snapshot dict: the events on device 0, each live allocation a segment of its own.
+    ``origin``, the device the figures are of and where they came from, is kept beside them
+    (torch's viewer ignores it; `load_snapshot` reads it back)."""
     segments = [
         {
             "device": 0,
@@ -109,7 +115,10 @@ def snapshot_dict(events: list[dict[str, Any]], live: list[tuple[int, int]]) -> 
         }
         for addr, size in live
     ]
-    return {"segments": segments, "device_traces": [events], "written_by": "memlab"}
+    data = {"segments": segments, "device_traces": [events], "written_by": "memlab"}
+    if origin is not None:
+        data["memlab_device"], data["memlab_source"] = origin
+    return data
 
 
 def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -159,12 +168,13 @@ def write_timeline(
     seconds: Sequence[float],
     totals: Sequence[int],
     phases: Sequence[str],
+    origin: Origin | None = None,
 ) -> Path:
     """A memlab timeline (``before``, then ``totals`` at ``seconds``) as a snapshot file."""
-    return dump(snapshot_dict(*timeline_events(before, seconds, totals, phases)), path)
+    return dump(snapshot_dict(*timeline_events(before, seconds, totals, phases), origin), path)
 
 
-def write_trace(t: Trace, path: str | os.PathLike[str]) -> Path:
+def write_trace(t: Trace, path: str | os.PathLike[str], origin: Origin | None = None) -> Path:
     """A `Trace` (a snapshot as memlab read it) back as a snapshot file: the same events in the
     same order, each with its source line as its one frame."""
     addr = BASE + np.cumsum(np.maximum(-(-t.a_size // ALIGN) * ALIGN, ALIGN)) - t.a_size
@@ -191,4 +201,4 @@ def write_trace(t: Trace, path: str | os.PathLike[str]) -> Path:
     untraced = t.before + int(t.deltas[t.owner < 0].sum())  # what no event freed
     if untraced > 0:
         live.append((spare, untraced))
-    return dump(snapshot_dict(events, live), path)
+    return dump(snapshot_dict(events, live, origin), path)
