@@ -70,8 +70,7 @@ class Accountant(Roles):
         self.errors: list[str] = []
         #: Ops whose tensors the bookkeeping failed to take in (their bytes may be missing).
         self._lost = 0
-        #: The ledger's listener failures before the region (`lost` counts those after).
-        self._failures = ledger.failures
+        self._failures = ledger.failures  # (its listeners' before the region: `lost`, after)
         self._missed: int | None = None
         self._leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: id -> weak references to each leaf remembered and to its storage then.
@@ -81,8 +80,8 @@ class Accountant(Roles):
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._stack = contextlib.ExitStack()
         self._module_depth = self._optimizer_depth = 0
-        #: A phase the front end labelled (`memlab.track.phase`), 0 when none: it stands for
-        #: "forward" and "other" while set (one attribute read on the per-event path).
+        #: A phase the front end labelled (`memlab.track.phase`), 0 when none (while set, it
+        #: stands for "forward" and "other"; one attribute read on the per-event path).
         self.labelled = 0
         self._sweep_queued = False
         self._mode: _Mode | None = None
@@ -202,12 +201,13 @@ class Accountant(Roles):
                 else:  # a sparse tensor: its indices and values hold its bytes
                     for part in sparse_parts(t):
                         self.ledger.produced(part, part.untyped_storage(), started)
-            if self.breakdown and not self._sweep_queued:
-                node = _torch.current_autograd_node()
-                if node is not None:  # the first op of a backward pass
-                    self._sweep_queued = True
-                    self._remember_leaves_of(node)
-                    _torch.queue_backward_callback(self._after_backward)
+            node = _torch.current_autograd_node() if self.breakdown else None
+            if node is None:  # no backward runs: a queued one raised (its callback never ran)
+                self._sweep_queued = False
+            elif not self._sweep_queued:  # a backward's first op (one run inside it queues none)
+                self._sweep_queued = True
+                self._remember_leaves_of(node)
+                _torch.queue_backward_callback(self._after_backward)
         except Exception as e:
             self._lost += 1
             self._error(e)

@@ -790,8 +790,13 @@ std::unordered_set<c10::TensorImpl*>& leaves = *new std::unordered_set<c10::Tens
 // regions): not handed out again (a model's input, read again at every step).
 std::unordered_set<c10::TensorImpl*>& plain = *new std::unordered_set<c10::TensorImpl*>();
 size_t plain_prune_at = 4096;
-bool grads_queued = false;  // a callback at the end of the running backward is queued
-int queued_task = -1;       // the graph task it was queued on
+// The graph tasks a callback is queued on, the outermost first. A backward run inside another
+// (a reentrant checkpoint's) ends before it, and gradients are named when the outermost ends, as
+// the dispatch mode names them: a leaf made inside a backward and gone by its end (the
+// checkpoint's detached input) is no parameter, and its gradient is the outer backward's
+// temporary. A task whose backward raised never runs its callback: the next op outside any
+// backward finds it left, and drops it.
+std::vector<int>& queued_tasks = *new std::vector<int>();
 // The autograd nodes whose leaves were looked for in this region (a graph walked once).
 std::unordered_set<torch::autograd::Node*>& walked = *new std::unordered_set<torch::autograd::Node*>();
 constexpr int kGradient = 5;  // Category.GRADIENT's code (PRIORITY + 1)
@@ -856,8 +861,14 @@ void mark_grads() {  // under `mu`
 
 void after_backward() {
   std::lock_guard<std::mutex> g(mu);
-  grads_queued = false;
-  if (region != 0 && keep) {
+  // (the task ending, and those queued after it: run inside it, they raised)
+  const int task = torch::autograd::get_current_graph_task_id();
+  auto at = std::find(queued_tasks.begin(), queued_tasks.end(), task);
+  if (at == queued_tasks.end() && !queued_tasks.empty()) {
+    at = queued_tasks.end() - 1;  // (not found: the last one queued)
+  }
+  queued_tasks.erase(at, queued_tasks.end());
+  if (region != 0 && keep && queued_tasks.empty()) {
     mark_grads();
   }
 }
@@ -868,14 +879,16 @@ void after_backward() {
 // nodes in a shared_ptr up to 2.12 and in an intrusive_ptr from 2.13.)
 bool backward_begins(torch::autograd::Node* node) {
   if (node == nullptr) {
+    if (!queued_tasks.empty()) {
+      queued_tasks.clear();  // no backward runs: those left raised (their callbacks never ran)
+    }
     return false;
   }
   const int task = torch::autograd::get_current_graph_task_id();
-  if (grads_queued && task == queued_task) {
-    return false;  // (a backward that raised never ran its callback: a new one queues again)
+  if (std::find(queued_tasks.begin(), queued_tasks.end(), task) != queued_tasks.end()) {
+    return false;
   }
-  grads_queued = true;
-  queued_task = task;
+  queued_tasks.push_back(task);
   if (!walked.insert(node).second) {
     return true;
   }
@@ -904,7 +917,9 @@ void queue_after_backward() {  // never under `mu` (the engine's lock is taken)
     torch::autograd::Engine::get_default_engine().queue_callback(&after_backward);
   } catch (...) {
     std::lock_guard<std::mutex> g(mu);
-    grads_queued = false;
+    if (!queued_tasks.empty()) {
+      queued_tasks.pop_back();
+    }
   }
 }
 
@@ -1344,8 +1359,7 @@ void drop_weak_refs() {
   empty_out(older_order);
   empty_out(ev_ns);
   empty_out(ev_phase);
-  grads_queued = false;
-  queued_task = -1;
+  queued_tasks.clear();
   empty_out(walked);
   marked = 0;
   seq = 0;
