@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import linecache
 from collections.abc import Container
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from memlab.core.ledger import Ledger
 from memlab.estimate.allocator import CachingAllocator, SimulatedOutOfMemoryError
 from memlab.estimate.amp import AmpStream
 from memlab.estimate.autocast import own_autocast
+from memlab.estimate.catches import catching, innermost, on_stack
 from memlab.estimate.cuda_calls import simulated
 from memlab.estimate.gpus import GPU
 from memlab.estimate.holders import variable_names, variable_root
@@ -48,6 +48,7 @@ class _Failure:
     names: dict[int, list[str]]
     #: The storages live before the cell did not fit on the card, the cell not yet begun.
     before: bool = False
+    stack: tuple[int, ...] = ()  # (the cell's lines running then, innermost first)
 
 
 class Flight:
@@ -111,7 +112,7 @@ class Flight:
         old = self.sizes.pop(serial, None)
         if old is not None:  # a storage that grew: the allocator sees a new block
             self._free(serial, old)
-        self._malloc(serial, (old or 0) + delta, self._line())
+        self._malloc(serial, (old or 0) + delta, innermost(self.filename))
 
     def on_free(self, serial: int, nbytes: int, category: Category | None, when: float) -> None:
         if category is not None:
@@ -160,11 +161,11 @@ class Flight:
                 set(self.saved),
                 self._names(),
                 before,
+                on_stack(self.filename),
             )
 
     def _began(self) -> None:
-        """The cell's first allocation (or its end): where what earlier cells left did not fit,
-        the failure lists all of it."""
+        """The cell's first allocation (or end): what earlier cells left, where it did not fit."""
         if self._begun:
             return
         self._begun = True
@@ -173,8 +174,7 @@ class Flight:
             found.live = [(s, n) for s, n in self.sizes.items() if s in self.before]
             found.names = self._names()
 
-    def _names(self) -> dict[int, list[str]]:
-        """The variables holding each storage; none if the namespace cannot be read."""
+    def _names(self) -> dict[int, list[str]]:  # (none where the namespace cannot be read)
         try:
             return variable_names(self.ledger, self.namespace, self.hidden)
         except Exception:
@@ -186,15 +186,6 @@ class Flight:
         handle = self.handles.pop(serial, None)
         if handle is not None:
             self.allocator.free(handle)
-
-    def _line(self) -> int | None:
-        """The innermost line of the cell's own file on the stack."""
-        frame = inspect.currentframe()
-        while frame is not None:
-            if frame.f_code.co_filename == self.filename:
-                return frame.f_lineno
-            frame = frame.f_back
-        return None
 
     # -- the result ------------------------------------------------------------------------------
     def role(self, serial: int, saved: set[int]) -> str:
@@ -218,9 +209,10 @@ class Flight:
         # past the failure the replay stopped: what the whole cell needs, on an unlimited card
         unlimited = replay_peak(self.stream, lambda s, n: n, None)
         before = sum(n for _, n in found.live) if found.before else 0
-        usable, peak = self.card.usable, stats.peak_allocated
+        caught = catching(self.filename, found.stack)  # (the GPU would run its except branch)
+        usable, peak, why = self.card.usable, stats.peak_allocated, self._explain(found)
         return Preflight(
-            _label(self.card), usable, peak, unlimited, self._explain(found), before=before
+            _label(self.card), usable, peak, unlimited, why, before=before, caught_at=caught
         )
 
     def _explain(self, found: _Failure) -> Any:

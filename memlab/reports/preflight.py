@@ -37,6 +37,9 @@ class Preflight(Result):
     #: Where what earlier cells left on the device does not fit on the card by itself: its
     #: bytes (the cell could not begin); else 0.
     before: int = 0
+    #: The line of the cell's ``except`` that catches the predicted out-of-memory error: on the
+    #: GPU that branch would run, which the CPU run never did (`memlab.estimate.catches`).
+    caught_at: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -65,10 +68,16 @@ class Preflight(Result):
                 f"{fmt_bytes(self.peak_reserved)}"
             )
         at = f" at line {self.oom.line}" if self.oom.line is not None else ""
+        caught = (
+            ""
+            if self.caught_at is None
+            else f" · the cell catches it at line {self.caught_at}: on the GPU that except "
+            "branch would run from there, and this replay on the CPU never ran it"
+        )
         return (
             f"pre-flight on {self.gpu}: would run OUT OF MEMORY{at} "
             f"({fmt_bytes(self.oom.requested)} requested) · needs "
-            f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable"
+            f"{fmt_bytes(self.peak_reserved)} of {fmt_bytes(self.usable)} usable{caught}"
         )
 
     def text(self) -> str:
@@ -94,4 +103,5 @@ class Preflight(Result):
             "raised": self.raised,
             "lost": self.lost,
             "before": self.before,
+            "caught_at": self.caught_at,
         }
