@@ -292,7 +292,7 @@ class Accountant(Roles):
         self.ledger.settle()
         for leaf in list(self._leaves.keys()):  # (as the native record's end does)
             self._safely("a parameter's role not read", self._remember_leaf, leaf)
-        self.sweep_gradients()
+            self._safely("a gradient not read", self._mark_grad, leaf)
         for opt in list(self._optimizers):
             self._safely(_OPT, self.watch_optimizer, opt)
 
