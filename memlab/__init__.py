@@ -6,7 +6,6 @@ imported by the pieces that use them. ``%load_ext memlab`` adds the ``%%gpumem``
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from memlab.core.categories import Category
@@ -45,16 +44,6 @@ __all__ = [
 ]
 
 
-def _is_part(name: str) -> bool:
-    """Whether ``name`` is one of memlab's own modules or packages (``memlab.distributed``,
-    ``memlab.whatif``, ...): each is reachable as an attribute after ``import memlab``, imported
-    when first used."""
-    if not name.isidentifier() or name.startswith("_"):
-        return False
-    here = Path(__file__).parent
-    return (here / name / "__init__.py").is_file() or (here / f"{name}.py").is_file()
-
-
 def __getattr__(name: str) -> Any:
     # The panel needs ipywidgets and matplotlib: imported when first asked for, not with memlab.
     if name == "Explorer":
@@ -65,11 +54,9 @@ def __getattr__(name: str) -> Any:
         from memlab.snapshot import load_snapshot
 
         return load_snapshot
-    if _is_part(name):  # memlab.whatif.run(...) after a plain `import memlab`
-        import importlib
+    from memlab.core.parts import part  # memlab.whatif.run(...) after a plain `import memlab`
 
-        return importlib.import_module(f"memlab.{name}")
-    raise AttributeError(f"module 'memlab' has no attribute {name!r}")
+    return part(__name__, __file__, name)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -1,1 +1,9 @@
 """The measurement core: memory sources and tensor accounting (torch only)."""
+
+from typing import Any
+
+from memlab.core.parts import part
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

@@ -15,6 +15,9 @@ under ``torchrun``::
 `check` sets the estimator's per-rank prediction (`memlab.estimate.per_rank`) beside it.
 """
 
+from typing import Any
+
+from memlab.core.parts import part
 from memlab.distributed.check import Check, check
 from memlab.distributed.gather import gather
 from memlab.distributed.launch import RankError, launch
@@ -30,3 +33,7 @@ __all__ = [
     "gather",
     "launch",
 ]
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

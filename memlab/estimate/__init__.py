@@ -1,5 +1,8 @@
 """The estimator: what a step would need on a GPU, computed without one (see `estimate`)."""
 
+from typing import Any
+
+from memlab.core.parts import part
 from memlab.estimate.after_oom import after_oom
 from memlab.estimate.distributed import (
     RankMemory,
@@ -30,3 +33,7 @@ __all__ = [
     "per_rank",
     "strategies",
 ]
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

@@ -8,6 +8,9 @@ checked on (models, inputs, configurations, stored traces' names) are in `memlab
 
 from __future__ import annotations
 
+from typing import Any
+
+from memlab.core.parts import part
 from memlab.examples.dense import dense_stack, mlp
 from memlab.examples.language import GPT, Encoder, LSTMTagger
 from memlab.examples.vision import BasicBlock, Bottleneck, ViT, resnet18, resnet50, small_cnn
@@ -25,3 +28,7 @@ __all__ = [
     "resnet50",
     "small_cnn",
 ]
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

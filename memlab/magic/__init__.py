@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 from memlab.core.native import uninstall as uninstall_native
+from memlab.core.parts import part
 
 
 def load(ipython: Any, preflight: Any = None, after_oom: Any = None) -> None:
@@ -62,3 +63,7 @@ def _resume(ipython: Any, magics: Any) -> None:
 
 def _cell(ipython: Any) -> int:
     return int(getattr(ipython.displayhook, "prompt_count", ipython.execution_count))
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

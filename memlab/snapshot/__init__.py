@@ -3,6 +3,9 @@
 ``MemoryReport.to_snapshot`` writes memlab timelines for torch's own viewer; ``chart()`` draws
 an interactive timeline that needs no network."""
 
+from typing import Any
+
+from memlab.core.parts import part
 from memlab.snapshot.load import from_dict, load_snapshot
 from memlab.snapshot.result import Allocation, Snapshot
 from memlab.snapshot.unpickle import SafeUnpickler, SnapshotError
@@ -15,3 +18,7 @@ __all__ = [
     "from_dict",
     "load_snapshot",
 ]
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

@@ -4,6 +4,9 @@
 step (AMP, checkpointing, no_grad, batch, accumulation, optimizer).
 """
 
+from typing import Any
+
+from memlab.core.parts import part
 from memlab.step.comparison import Comparison
 from memlab.step.config import (
     Amp,
@@ -36,3 +39,7 @@ __all__ = [
     "blocks",
     "run",
 ]
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

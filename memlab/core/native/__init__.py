@@ -16,12 +16,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from memlab.core.native.build import compile_library, library_path
 from memlab.core.native.build import torch_dirs as _torch_dirs
 from memlab.core.native.signatures import declare, quick
+from memlab.core.parts import part
 
 _SOURCE = Path(__file__).with_name("record.cpp")
 _lock = threading.Lock()
@@ -239,3 +241,7 @@ def disable(why: str) -> None:
     global _lib, _why, _tried
     uninstall()
     _lib, _why, _tried = None, f"turned off: {why}", True
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)

@@ -14,6 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from memlab.core import _torch
+from memlab.core.parts import part
 from memlab.estimate.kernels.attention import attention, attention_meta_kernels
 from memlab.estimate.kernels.dropout import dropout
 from memlab.estimate.kernels.fastpath import (
@@ -71,3 +72,7 @@ def cuda_functions() -> Iterator[None]:
     ]
     with _torch.patched(patches), attention_meta_kernels():
         yield
+
+
+def __getattr__(name: str) -> Any:  # (its modules, imported when first asked for)
+    return part(__name__, __file__, name)
