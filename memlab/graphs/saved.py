@@ -18,6 +18,7 @@ from memlab.core._torch_autograd import (
     saved_names,
     saved_value,
 )
+from memlab.core.frames import the_users
 from memlab.core.storages import sparse_parts
 from memlab.graphs.packed import Packed, frame_inputs, packed
 
@@ -50,11 +51,14 @@ def saved_values(node: Any) -> Iterator[tuple[str, torch.Tensor | Packed]]:
             value = saved_value(node, name, strict=name == _FUNCTION)
         except AttributeError:  # (a Function's tensor not given: nothing to read)
             continue
-        except RuntimeError as e:
-            raise GraphFreedError(
+        except RuntimeError:
+            freed = GraphFreedError(
                 f"{type(node).__name__} was already run by backward(), which freed what it "
-                "saved; look at the graph before calling backward()."
-            ) from e
+                "saved; look at the graph before calling backward() (or call backward with "
+                "retain_graph=True)."
+            )
+            the_users(freed)  # (the user's order of calls: said without memlab's frames)
+            raise freed from None
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor):
                 yield name, t
