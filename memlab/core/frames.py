@@ -48,10 +48,14 @@ _PLUMBING = tuple(
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def _file(tb: TracebackType) -> str:
-    return tb.tb_frame.f_code.co_filename
+    name = tb.tb_frame.f_code.co_filename
+    if name[:1] == "<" and str(tb.tb_frame.f_globals.get("__name__", ""))[:7] == "memlab.":
+        return f"{_MEMLAB}/{name}"  # (made from a string in memlab's module: a dataclass's init)
+    return name
 
 
 def _entries(e: BaseException) -> list[TracebackType]:
@@ -222,6 +226,14 @@ def users_traceback(
         return front
 
     return decorate
+
+
+def users_init(cls: type[T]) -> type[T]:
+    """A class decorator (above ``@dataclass``): its construction refuses an argument as a front
+    end does (`users_traceback`), without the dataclass's generated ``__init__`` or memlab's
+    ``__post_init__`` in the user's traceback."""
+    setattr(cls, "__init__", users_traceback()(cls.__init__))  # noqa: B010  (mypy: no assigning a method)
+    return cls
 
 
 def memlabs(value: object) -> bool:

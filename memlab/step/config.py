@@ -10,6 +10,7 @@ import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from memlab.core.frames import users_init
 from memlab.step.options import (
     AMP,
     AMP_DTYPES,
@@ -54,6 +55,7 @@ class WhatIfError(ValueError):
     """A run could not be set up or failed because of its inputs; the message says what to do."""
 
 
+@users_init  # (a setting refused: said without the generated __init__ or __post_init__)
 @dataclass(frozen=True)
 class RunConfig:
     """One step's configuration.
