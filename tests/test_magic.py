@@ -251,6 +251,25 @@ def test_auto_mode_tracks_every_cell_until_off(ip: Any, capsys: Any) -> None:
     assert "on or off" in str(r.error_in_exec)
 
 
+def test_auto_mode_measures_a_captured_cell_once_and_captures_none_of_memlab(ip: Any) -> None:
+    """``%%capture`` runs its body as a cell of its own (not in the history): part of the cell
+    around it, which has the one summary, outside what was captured."""
+    run(ip, "%gpumem_auto on -d cpu")
+    history = ip._memlab_magics.history
+    n = len(history)
+    ip.rec.clear()
+    run(ip, "%%capture cap\nprint('captured')\nc = torch.ones(1000)")
+    assert len(history) == n + 1 and history.entries[-1].after - history.entries[-1].before == 4000
+    lines = [d["text/plain"] for _, d in ip.rec.items if "memlab [" in d.get("text/plain", "")]
+    assert len(lines) == 1 and "+3.91 KiB" in lines[0]
+    cap = ip.user_ns["cap"]
+    assert cap.stdout == "captured\n" and not cap.outputs  # (memlab's summary not in it)
+    # a cell run from a cell with its own place in the history keeps its own summary
+    run(ip, "get_ipython().run_cell('d = torch.ones(10)', store_history=True)")
+    assert len(history) == n + 3
+    run(ip, "%gpumem_auto off")
+
+
 def test_loading_the_extension_twice_and_unloading(ip: Any) -> None:
     run(ip, "%reload_ext memlab")
     assert run(ip, "%%gpumem -q\nq = 1").success

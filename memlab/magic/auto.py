@@ -2,12 +2,14 @@
 the matching post_run_cell, with a one-line summary.
 
 Cells nest: a cell may run another (``get_ipython().run_cell``, ``%rerun``), and the inner
-cell's hooks fire inside the outer cell's. The open regions are therefore a stack, each tied to
-the cell (IPython's ``ExecutionInfo``, which post_run_cell gets back on its result) whose
-pre_run_cell opened it. A post_run_cell closes its own cell's region, and any region above it
-whose post_run_cell never came; one for a cell memlab opened nothing for (an empty cell, a
-``%%gpumem`` cell) closes nothing. ``off``, and unloading the extension, close every region
-still open: none outlives automatic tracking.
+cell's hooks fire inside the outer cell's. One run without a place in the history (``%%capture``
+runs its body so) is part of the cell around it: that cell's region measures it, and it has no
+summary of its own (which ``%%capture`` would take into what it captured). The open regions
+are therefore a stack, each tied to the cell (IPython's ``ExecutionInfo``, which post_run_cell
+gets back on its result) whose pre_run_cell opened it. A post_run_cell closes its own cell's
+region, and any region above it whose post_run_cell never came; one for a cell memlab opened
+nothing for (an empty cell, a ``%%gpumem`` cell) closes nothing. ``off``, and unloading the
+extension, close every region still open: none outlives automatic tracking.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class AutoTracking:
         raw = (getattr(info, "raw_cell", "") or "").lstrip()
         if self.opts is None or raw.startswith(("%%gpumem", "%gpumem_auto")):
             return
+        if self._open and not getattr(info, "store_history", True):
+            return  # run inside a tracked cell (%%capture's body): the cell's region has it
         region = self._region(self.opts)
         try:
             region.__enter__()
