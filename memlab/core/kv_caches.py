@@ -92,6 +92,12 @@ def named_by(mark: Callable[[torch.Tensor, Category], None]) -> Callable[[], Non
     return out
 
 
+def adopt(owner: int) -> None:
+    """This thread, started inside the region(s) open on the thread ``owner`` (``generate``
+    run beside a streamer), names the caches it fills for them, while they are open."""
+    _MARKS.share(owner)
+
+
 def _first(first: bool) -> None:
     if not _PATCHED:
         _patch()

@@ -21,14 +21,19 @@ class PerThread:
 
     def __init__(self) -> None:
         self._by: dict[int, list[Any]] = {}
+        self._shared: set[int] = set()  # threads that have another's blocks (`share`)
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # (POSIX)
             os.register_at_fork(after_in_child=self._after_fork)
 
     def push(self, item: Any, opening: Callable[[bool], None]) -> None:
+        me = threading.get_ident()
         with self._lock:
             opening(not self._by)
-            self._by.setdefault(threading.get_ident(), []).append(item)
+            if me in self._shared:  # (its own block: no longer the one it was given)
+                self._shared.discard(me)
+                self._by[me] = list(self._by[me])
+            self._by.setdefault(me, []).append(item)
 
     def pop(self, item: Any, closing: Callable[[bool], None]) -> None:
         me = threading.get_ident()
@@ -36,9 +41,21 @@ class PerThread:
             mine = self._by.get(me, [])
             if item in mine:
                 mine.remove(item)
-            if not mine:
-                self._by.pop(me, None)
+            if not mine:  # (and the threads it was given to)
+                for thread in [t for t, blocks in self._by.items() if blocks is mine or t == me]:
+                    del self._by[thread]
+                    self._shared.discard(thread)
             closing(not self._by)
+
+    def share(self, owner: int) -> None:
+        """This thread has the blocks the thread ``owner`` has open, as long as that one does
+        (a thread started inside a region is part of it)."""
+        me = threading.get_ident()
+        with self._lock:
+            blocks = self._by.get(owner)
+            if blocks and me != owner and me not in self._by:
+                self._by[me] = blocks
+                self._shared.add(me)
 
     def mine(self) -> list[Any]:
         """This thread's open blocks, innermost last (empty: none)."""
@@ -49,3 +66,6 @@ class PerThread:
         me = threading.get_ident()
         for thread in [t for t in self._by if t != me]:
             del self._by[thread]
+        if me in self._shared:  # (the forking thread's own now)
+            self._by[me] = list(self._by[me])
+        self._shared.clear()

@@ -18,11 +18,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from memlab.core import kv_caches
+
 
 class _Follower:
     def __init__(self, lib: Any) -> None:
         self.lib = lib  # the native region's library; None: a dispatch-mode region
         self.missed = 0  # threads started that it does not follow
+        self.owner = threading.get_ident()  # the region's thread
 
 
 #: The open regions' followers (nested regions each have one; the first keeps the hook the
@@ -44,6 +47,8 @@ def _join(frame: Any, event: str, arg: Any) -> None:
         except Exception:  # never the program's thread's error: the region says it missed it
             joined = False
         follower.missed += not joined
+        if joined:  # part of the region: the caches it fills are named for it too
+            kv_caches.adopt(follower.owner)
     if before is not None:  # the program's hook sees this first call too
         before(frame, event, arg)
 
