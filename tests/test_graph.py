@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import traceback
+import warnings
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -135,6 +136,23 @@ def test_output_without_a_graph_says_how_to_get_one() -> None:
         t = torch.ones(3) * 2
     with pytest.raises(memlab.NoGraphError, match="grad enabled"):
         memlab.graph_of(t)
+
+
+def test_a_reentrant_checkpoint_on_inputs_without_grad_is_named_as_a_cause() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.b, checkpoint(self.a, x, use_reentrant=True), use_reentrant=True)
+
+    with warnings.catch_warnings():  # (torch's own warning says the inputs lack grad)
+        warnings.simplefilter("ignore")
+        with pytest.raises(memlab.NoGraphError, match="use_reentrant=False"):
+            memlab.graph(Net(), torch.randn(4, 16))
 
 
 def test_graph_after_backward_says_to_annotate_before() -> None:

@@ -231,7 +231,10 @@ def no_graph_message(out: Any, tensors: list[torch.Tensor], grad: bool) -> str:
     else:
         why = (
             "grad was off inside the forward (torch.no_grad() or torch.inference_mode() in it, "
-            "or the output detached)"
+            "or the output detached), or the forward runs a reentrant checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True) on inputs that do not require "
+            "grad, which records no graph through it: pass use_reentrant=False, or call "
+            "x.requires_grad_() on its input"
         )
     return (
         f"memlab.graph: the forward returned {describe(out)} without a grad_fn, so there is no "
