@@ -45,3 +45,26 @@ def test_a_config_still_builds_and_is_replaced_as_a_dataclass() -> None:
     with pytest.raises(WhatIfError, match="batch_size"):
         dataclasses.replace(c, batch_size=-2)
     assert "batch_size" in str(inspect.signature(memlab.whatif.RunConfig))
+
+
+def test_an_op_refused_in_the_users_step_shows_the_frames_a_plain_run_shows() -> None:
+    """The op memlab's dispatch mode calls on (torch's ``_ops.py``) is not shown: the user's
+    line is the last frame, as without memlab."""
+    model = nn.Linear(8, 8)
+
+    def step(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return m(batch) @ torch.ones(3, 3)
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as plain:
+        step(model, torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as under:
+        memlab.whatif.run(lambda: model, lambda n: torch.randn(n, 8), step_fn=step, batch_size=2)
+    shown = traceback.format_exception(under.type, under.value, under.value.__traceback__)
+    files = [x.strip().splitlines()[0] for x in shown if x.lstrip().startswith("File ")]
+    assert files[-1].endswith("in step") and not [
+        f for f in files if "torch" in f or "memlab/" in f
+    ]
+    ran = traceback.format_exception(plain.type, plain.value, plain.value.__traceback__)
+    assert [x for x in ran if x.lstrip().startswith("File ")][-1].strip().splitlines()[0] == files[
+        -1
+    ]

@@ -80,8 +80,8 @@ def without_memlab(e: BaseException) -> BaseException:
         if name.startswith(_MEMLAB):
             drop.add(i)
             called_by_memlab = True
-        elif called_by_memlab and _stdlib(name):
-            drop.add(i)
+        elif called_by_memlab and (_stdlib(name) or name.endswith(_PLUMBING)):
+            drop.add(i)  # (the op memlab's dispatch mode called on, as the user's call went)
         else:
             called_by_memlab = False  # the user's code again (the cell, or what it called)
     if not drop:
