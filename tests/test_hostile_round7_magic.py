@@ -34,10 +34,17 @@ def summaries(ip: Any) -> list[str]:
 def test_a_cell_that_runs_a_cell_gets_its_own_summary_and_no_region_stays_open(ip: Any) -> None:
     assert run(ip, "%gpumem_auto on -d cpu").success
     ip.rec.clear()
-    assert run(ip, 'get_ipython().run_cell("b = torch.ones(5)")\nc = torch.ones(8)').success
+    inner = 'get_ipython().run_cell("b = torch.ones(5)", store_history=True)'
+    assert run(ip, f"{inner}\nc = torch.ones(8)").success
     b, c = (ip.user_ns[n].untyped_storage().nbytes() for n in ("b", "c"))
     inner_line, outer_line = summaries(ip)  # the inner cell's first, then the outer's
     assert f"(+{b} B)" in inner_line and f"(+{b + c} B)" in outer_line
+    # one run without a place in the history (as %%capture runs its body) is the outer cell's
+    ip.rec.clear()
+    assert run(ip, 'get_ipython().run_cell("d = torch.ones(5)")\ne = torch.ones(8)').success
+    d, e = (ip.user_ns[n].untyped_storage().nbytes() for n in ("d", "e"))
+    (line,) = summaries(ip)
+    assert f"(+{d + e} B)" in line
     run(ip, "%gpumem_auto off")
     assert native_region._OPEN == []
 

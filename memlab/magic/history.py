@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from memlab.reports.frame import CELL, heading, note, num_cell, table, text_cell
 from memlab.reports.protocol import Result
 from memlab.reports.report import MemoryReport
-from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.reports.units import fmt_bytes, fmt_label, fmt_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -33,7 +33,7 @@ class Entry(NamedTuple):
 
     @property
     def name(self) -> str:
-        return self.label or f"[{self.cell}]"
+        return fmt_label(self.label) if self.label else f"[{self.cell}]"
 
 
 class History(Result):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from memlab.core.categories import DESCRIPTIONS, Category
 from memlab.core.choices import PeakScope, Source
 from memlab.reports.report import PEAK_SCOPES, MemoryReport
-from memlab.reports.units import fmt_bytes, fmt_seconds
+from memlab.reports.units import fmt_bytes, fmt_label, fmt_seconds
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Layout:
 def layout(r: MemoryReport) -> Layout:
     parts = ["memlab", r.device]
     if r.label:
-        parts.append(r.label)
+        parts.append(fmt_label(r.label))
     if r.source != Source.ESTIMATE:  # a prediction's run time is the meta run's, not a GPU's
         parts.append(fmt_seconds(r.seconds))
     if r.raised == "KeyboardInterrupt":

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from memlab.core.categories import Category
 from memlab.core.choices import Source
 from memlab.core.frames import the_users
-from memlab.reports.units import mib
+from memlab.reports.units import fmt_label, mib
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -147,7 +147,8 @@ def plot_timeline(r: MemoryReport, ax: Axes | None = None) -> Figure:
     else:
         ax.set_xlabel("seconds since the region started")
     ax.set_ylabel(unit)
-    ax.set_title(f"{r.device}{' · ' + r.label if r.label else ''} ({tl.source})", fontsize=10)
+    label = f" · {literal(fmt_label(r.label))}" if r.label else ""
+    ax.set_title(f"{r.device}{label} ({tl.source})", fontsize=10)
     # beside the plot, never over the curve
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     return _themed(fig)
@@ -184,7 +185,13 @@ def ticks(n: int, most: int = MAX_TICKS) -> list[int]:
 
 
 def _short(name: str) -> str:
-    return name if len(name) <= MAX_LABEL else name[: MAX_LABEL - 1] + "…"
+    return literal(name if len(name) <= MAX_LABEL else name[: MAX_LABEL - 1] + "…")
+
+
+def literal(text: str) -> str:
+    """``text`` drawn as it is written: matplotlib reads what lies between two ``$`` as
+    mathematical notation (``"cost $$"`` fails to draw, ``"$x^2$"`` is typeset)."""
+    return text.replace("$", r"\$")
 
 
 def plot_history(

@@ -16,6 +16,7 @@ from memlab.core.frames import users_traceback
 from memlab.reports.host import HostMemory
 from memlab.reports.protocol import Result
 from memlab.reports.timeline import Timeline as Timeline
+from memlab.reports.units import fmt_label
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -211,7 +212,7 @@ class MemoryReport(Result):
         tl = self._timeline_or_raise("chart")
         events = timeline_events(self.allocated_before, tl.seconds, tl.allocated, tl.phases)
         _, trace = parse(snapshot_dict(*events))
-        title = f"{self.device}{' · ' + self.label if self.label else ''} ({tl.source})"
+        title = f"{self.device}{' · ' + fmt_label(self.label) if self.label else ''} ({tl.source})"
         return chart_of_trace(trace, title)
 
     def _timeline_or_raise(self, what: str) -> Timeline:

@@ -35,3 +35,17 @@ def fmt_seconds(s: float) -> str:
     if s < 120:
         return f"{s:.2f} s"
     return f"{s / 60:.1f} min"
+
+
+#: The most characters of a label a report, a table row or a plot shows (the label is kept whole
+#: in the report's data: ``report.label``, ``to_dict()``).
+MAX_SHOWN_LABEL = 80
+
+
+def fmt_label(label: str, most: int = MAX_SHOWN_LABEL) -> str:
+    """A label as shown: one line, at most ``most`` characters (cut with "…", and the length
+    said, where it is longer: a label made from a variable may hold a whole file)."""
+    one = " ".join(label.splitlines())
+    if len(one) <= most:
+        return one
+    return f"{one[: most - 20]}… ({len(one):,} characters)"
