@@ -43,6 +43,21 @@ def _current() -> int:
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
+def _module_name(kind: str) -> str:
+    return "torch.backends.mps" if kind == "mps" else f"torch.{kind}"
+
+
+def _available(kind: str) -> bool:
+    """Whether this machine has a device of ``kind`` (``mps``, ``xpu``, a backend registered
+    under its own name): where PyTorch's module for it says so."""
+    module = getattr(torch.backends, kind, None) if kind == "mps" else getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    try:
+        return callable(is_available) and bool(is_available())
+    except Exception:  # (a backend that cannot tell: not there)
+        return False
+
+
 def resolve(spec: str | torch.device | None) -> list[Target]:
     """``None``/``"auto"``: the current CUDA device if there is one, else the CPU.
     ``"all"``: every CUDA device. Any other torch device string names one device."""
@@ -70,6 +85,12 @@ def resolve(spec: str | torch.device | None) -> list[Target]:
     if dev.type in ("cpu", "meta"):  # one of each: "cpu:0" is the CPU its tensors say "cpu" of
         return [Target(dev.type)]
     if dev.type != "cuda":
+        if not _available(dev.type):
+            raise DeviceError(
+                f"{spec!r}: no {dev.type} device is available here ({_module_name(dev.type)} "
+                "says none, or PyTorch has no module for it). Use 'cpu' to measure with tensor "
+                "accounting, 'cuda' / 'cuda:N' / 'all' on a GPU, 'meta', or leave the device out."
+            )
         return [Target(str(dev))]
     n = _cuda_count()
     if not n:
