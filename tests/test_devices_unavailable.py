@@ -29,7 +29,7 @@ def test_the_magic_refuses_it_with_a_usage_error(ip: Any) -> None:
     assert "no mps device is available" in str(r.error_in_exec)
 
 
-def test_a_device_whose_module_says_it_is_there_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_device_its_module_says_is_there_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     class Backend:
         @staticmethod
         def is_available() -> bool:
