@@ -22,6 +22,10 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 NO_VALUE = object()
+CUT_SHORT = (
+    "a Ctrl-C came after the cell ran to its end, while memlab finished its report: the cell "
+    "keeps its value; memlab's report follows"
+)
 _FUTURE_FLAGS = 0
 for _name in __future__.all_feature_names:
     _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
@@ -123,7 +127,9 @@ def measured(region: Any) -> Iterator[None]:
     """``region`` (a `memlab.track`) around a cell. The cell's own exception passes as it is;
     memlab's own failure to start measuring, or to build the report of a cell that ran to its
     end, is not raised (the cell runs and keeps its value; the magic says there is no report).
-    A Ctrl-C while the region starts or its report is built still reaches the user."""
+    A Ctrl-C while the region starts still reaches the user; one while memlab closes the
+    region of a cell that ran to its end stops nothing of the cell's: the cell keeps its value
+    (the region is closed first, and its report says so)."""
     __tracebackhide__ = True
     try:
         region.__enter__()
@@ -135,5 +141,12 @@ def measured(region: Any) -> Iterator[None]:
     except BaseException as e:
         region.__exit__(type(e), e, e.__traceback__)
         raise
-    with contextlib.suppress(Exception):
+    try:
         region.__exit__(None, None, None)
+    except KeyboardInterrupt:  # the cell ran to its end: a Ctrl-C now stops memlab's work, not
+        if getattr(region, "_reports", None) is None:  # the cell (its value and variables kept)
+            with contextlib.suppress(BaseException):  # (Ctrl-C after Ctrl-C: closed first)
+                region.__exit__(None, None, None)
+        print(f"memlab: {CUT_SHORT}")
+    except Exception:
+        pass

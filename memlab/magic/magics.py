@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -158,9 +157,7 @@ class GpumemMagics(Magics):
                 f"{waiting:,} names in the notebook not looked at yet (at most {MAX_FRESH:,} a "
                 "cell): their tensors count when a cell uses them, the rest at the next cells"
             )
-            reports = Reports(
-                tuple(dataclasses.replace(r, notes=(*r.notes, said)) for r in reports)
-            )
+            reports = reports.noted(said)
         for r in reports:
             self.history.add(cell_number(self.sh), r)
         result: MemoryReport | Reports = reports[0] if len(reports) == 1 else reports
@@ -291,9 +288,13 @@ def _png(fig: Any) -> Image:
 
 def _show_plot(plot: Any, what: str) -> None:
     """A figure drawn and shown as a PNG; where matplotlib fails (a text.usetex setting with
-    no LaTeX, a recursion limit set low), said instead of failing the cell that ran."""
+    no LaTeX, a recursion limit set low), said instead of failing the cell that ran, as is a
+    Ctrl-C while it draws (it stops memlab's drawing; the cell ran to its end)."""
     try:
         image = _png(plot())
+    except KeyboardInterrupt:
+        print(f"memlab: no {what}: interrupted while memlab drew it (the cell ran to its end).")
+        return
     except Exception as e:
         print(f"memlab: no {what}: matplotlib could not draw it ({type(e).__name__}: {e}).")
         return

@@ -140,3 +140,10 @@ def not_started(why: BaseException | None) -> RuntimeError:
     if isinstance(why, Exception):
         return RuntimeError(f"measuring it could not start ({type(why).__name__}: {why})")
     return misuse("the region never started: setting it up was stopped or failed")
+
+
+#: Said where a Ctrl-C came while memlab closed a region whose code had run to its end.
+CLOSED_THROUGH_CTRL_C = (
+    "a Ctrl-C came while memlab closed this region, after its code ran to its end: memlab "
+    "finished the report first (its figures cover the whole region)"
+)

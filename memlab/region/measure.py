@@ -189,16 +189,17 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             raise misuse(
                 "memlab.track: __exit__ without __enter__; use it as `with memlab.track(...):`"
             )
-        # A Ctrl-C while memlab closes the region waits until the region is closed and its
-        # report built (closing again is safe: each step resumes where it stopped).
+        # A Ctrl-C while memlab closes the region waits until it is closed and its report built
+        # (closing again resumes where it stopped); the report says so where the code had ended.
         deferred: KeyboardInterrupt | None = None
         for _ in range(3):
             try:
-                self._close(et if et is not None or deferred is None else KeyboardInterrupt)
+                self._close(et)
                 break
             except KeyboardInterrupt as e:
                 deferred = e
         if deferred is not None and et is None:
+            self._reports = self._reports and self._reports.noted(region_args.CLOSED_THROUGH_CTRL_C)
             raise deferred
 
     def _close(self, et: type[BaseException] | None) -> None:

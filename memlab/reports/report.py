@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -258,6 +258,10 @@ class Reports(Result):
 
     def __getitem__(self, i: int) -> MemoryReport:
         return self.reports[i]
+
+    def noted(self, note: str) -> Reports:
+        """These reports, ``note`` added to each one's notes."""
+        return Reports(tuple(replace(r, notes=(*r.notes, note)) for r in self.reports))
 
     def to_dict(self) -> dict[str, Any]:
         return {"reports": [r.to_dict() for r in self.reports]}
