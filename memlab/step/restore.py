@@ -40,6 +40,7 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
     grads = [(p, p.grad, p.requires_grad) for _, _, p, param in held if param]
     for p, _, _ in grads:
         p.grad = None
+    state = _torch_state()  # the step_fn's set_default_dtype(...), set_grad_enabled(False)
     kept = {id(t): t for _, _, t, param in held if (weights or not param) and not t.is_meta}
     with torch.no_grad():  # a tied weight once; meta tensors hold no values
         values = [(t, t.detach().to("cpu", copy=True)) for t in kept.values()]
@@ -53,7 +54,26 @@ def restored(model: nn.Module, weights: bool) -> Iterator[Leftovers]:
             functools.partial(_regrad, grads),
             *(functools.partial(_unhook, t, name, was) for t, name, was in hooked),
             *(functools.partial(_reshape, m, shape) for m, shape in shapes),
+            functools.partial(_torch_state_back, state),
         )
+
+
+def _torch_state() -> tuple[torch.dtype, bool, Any]:
+    """torch's default dtype, this thread's grad mode and torch's default device (2.3 on)."""
+    device = getattr(torch, "get_default_device", None)
+    return torch.get_default_dtype(), torch.is_grad_enabled(), device() if device else None
+
+
+def _torch_state_back(state: tuple[torch.dtype, bool, Any]) -> None:
+    """What the run changed of `_torch_state`, put back (what it left alone, left alone)."""
+    dtype, grad, device = state
+    now = _torch_state()
+    if now[0] != dtype:
+        torch.set_default_dtype(dtype)
+    if now[1] != grad:
+        torch.set_grad_enabled(grad)
+    if device is not None and now[2] != device:
+        torch.set_default_device(None if device == torch.device("cpu") else device)
 
 
 def _each(*steps: Callable[[], None]) -> None:
