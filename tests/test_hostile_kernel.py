@@ -1135,7 +1135,9 @@ HOSTILE = {
     "in-a-dict": "{'a': BadClass(), 'b': Proxy(), 'c': torch.ones(2)}",
     "as-an-attribute": "type('Holder', (), {'inner': Proxy(), 'other': BadClass()})()",
 }
-UNBIND = 'globals()["hostile"] = globals()["hostile2"] = None'
+# (stderr flushed before the cell ends: what a __del__ that raises prints while the names are
+# dropped is sent as this cell's, not left for the IO thread to send as the next case's)
+UNBIND = 'globals()["hostile"] = globals()["hostile2"] = None; __import__("sys").stderr.flush()'
 CELLS = {
     "cpu-cell": lines("%%gpumem -d cpu", "hx = torch.ones(10)", "hx.sum()"),
     "breakdown-cell": lines("%%gpumem -b -d cpu", "hx = torch.ones(10)", "hx.sum()"),
