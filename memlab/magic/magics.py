@@ -294,8 +294,7 @@ def _show_plot(plot: Any, what: str) -> None:
         image = _png(plot())
     except KeyboardInterrupt:
         print(f"memlab: no {what}: interrupted while memlab drew it (the cell ran to its end).")
-        return
     except Exception as e:
         print(f"memlab: no {what}: matplotlib could not draw it ({type(e).__name__}: {e}).")
-        return
-    display(image)
+    else:
+        display(image)

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from memlab.core.frames import the_users, users_traceback
+from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.limits import check_counts, check_values
@@ -90,12 +90,10 @@ def _layout_checked(name: str) -> Iterator[None]:
     except SnapshotError:
         raise
     except (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError) as e:
-        refused = SnapshotError(
+        raise SnapshotError(
             f"{name} is not laid out as a memory snapshot ({type(e).__name__}: {e}): pass a "
             "file written by torch.cuda.memory._dump_snapshot."
-        )
-        the_users(refused)  # (the file's fault, said in full: without memlab's frames)
-        raise refused from None
+        ) from e
 
 
 def first_look(segments: list[dict[str, Any]], name: str, device: int | None = None) -> Snapshot:
