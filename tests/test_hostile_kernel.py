@@ -1135,9 +1135,13 @@ HOSTILE = {
     "in-a-dict": "{'a': BadClass(), 'b': Proxy(), 'c': torch.ones(2)}",
     "as-an-attribute": "type('Holder', (), {'inner': Proxy(), 'other': BadClass()})()",
 }
-# (stderr flushed before the cell ends: what a __del__ that raises prints while the names are
-# dropped is sent as this cell's, not left for the IO thread to send as the next case's)
-UNBIND = 'globals()["hostile"] = globals()["hostile2"] = None; __import__("sys").stderr.flush()'
+# (the case's garbage collected, and stderr flushed, before the cell ends: what a __del__ that
+# raises prints, when its object was caught in a reference cycle, is this cell's, not printed
+# at the next case's collection nor sent by the IO thread as the next case's)
+UNBIND = (
+    'globals()["hostile"] = globals()["hostile2"] = None; __import__("gc").collect(); '
+    '__import__("sys").stderr.flush()'
+)
 CELLS = {
     "cpu-cell": lines("%%gpumem -d cpu", "hx = torch.ones(10)", "hx.sum()"),
     "breakdown-cell": lines("%%gpumem -b -d cpu", "hx = torch.ones(10)", "hx.sum()"),
