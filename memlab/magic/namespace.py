@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memlab.core.known import Renewing
 from memlab.core.native import pack
 
 _WATCHED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
@@ -105,7 +106,7 @@ def _named(keys: list[Any], ids: list[int]) -> Iterator[tuple[str, int]]:
     return ((k, i) for k, i in zip(keys, ids, strict=True) if type(k) is str)
 
 
-class NamespaceWatch:
+class NamespaceWatch(Renewing):
     """``watchable`` for one namespace, scanning only what changed since the last call.
 
     Each call returns the objects under names bound or rebound since the previous call, plus
@@ -135,6 +136,7 @@ class NamespaceWatch:
             return self._scan()
         except Exception:  # (a hostile object: the next scan starts afresh, the cell still runs)
             self._keys, self._ids, self.waiting = [], bytearray(), set()
+            self.renewed_to, self.told_at = 0, None
             return []
 
     def _scan(self) -> list[Any]:
@@ -161,6 +163,7 @@ class NamespaceWatch:
                 fresh.append(v)
                 if _lasting(v):
                     self._keep(name, v)
+        self.renewed_to = len(fresh)  # (the rest: handed out at every call)
         for name in self._containers:
             _examine(name, ns.get(name), self.hidden, fresh)
         for name, refs in self._lasting.items():

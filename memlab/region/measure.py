@@ -17,6 +17,7 @@ from memlab.core.cuda import CudaRegion
 from memlab.core.cuda_log import CudaLog, for_region
 from memlab.core.devices import Target, resolve
 from memlab.core.frames import misuse, users_traceback
+from memlab.core.known import make_known
 from memlab.core.ledger import Ledger
 from memlab.core.native.eligible import NativeNotStartedError, eligible
 from memlab.core.native.region import NativeRegion, hand_over_open
@@ -36,7 +37,6 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     >>> with memlab.track(breakdown=True) as t:
     ...     loss = model(x).sum(); loss.backward()
     >>> t.report.peak_delta
-
     device: ``None`` (the current CUDA device, else the CPU), ``"cpu"``, ``"cuda:1"``, ``"meta"``,
         or ``"all"`` (every CUDA device). CUDA figures come from the caching allocator; other
         devices from exact tensor accounting.
@@ -47,13 +47,12 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     reset_peak: reset the allocator's peak counter at the start (the default) so the peak is the
         region's own; ``False`` leaves it alone and the peak is "since the last reset".
     driver: also read the driver's view (``mem_get_info``, NVML) at the end.
-    watch: modules, optimizers and tensors whose roles to learn even if the region doesn't use
-        them, or a function returning them (called at the start and at the end; the magic passes
-        the notebook's variables this way). They are held weakly: the region keeps nothing alive.
+    watch: modules, optimizers and tensors whose roles to learn (the ledger told their storages,
+        without a breakdown) even if the region doesn't use them, or a function returning them
+        (the magic passes the notebook's variables so), held weakly.
     inputs: tensors to count as the region's inputs.
     since: with a breakdown or a timeline, storages the ledger knew before this serial
-        (``ledger.next_serial()``) that the region never touches are left out of its figures
-        (the estimator's: a simulated GPU holds nothing from before the estimate).
+        (``ledger.next_serial()``) that the region never touches are left out of its figures.
     """
 
     @users_traceback()  # (an argument refused: the error names it, without memlab's frames)
@@ -89,10 +88,10 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self._cuda: dict[str, CudaRegion] = {}
         self._state = "new"
         self._overlapped: list[str] = []
+        self._skipped: list[str] = []  # (the note on what `watch` named that raised)
         self._reports: Reports | None = None
         self._build_error: BaseException | None = None
-        self._t0 = 0.0
-        self._seconds = 0.0
+        self._t0 = self._seconds = 0.0
 
     # -- the region -----------------------------------------------------------------------------
     @users_traceback()
@@ -106,18 +105,19 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             if accounted:
                 self._ledger.resync()  # storages resized while no region was open
                 keep = self.breakdown or self.timeline
-                # on the CPU: the native record, no Python per op (without a breakdown, an
-                # accountant only to learn what `watch` and `inputs` name, never installed;
-                # with one, the record's own hooks learn roles: `since` needs the dispatch mode)
+                # on the CPU: the native record, no Python per op (no breakdown: `watch` only told
+                # the ledger; with one, the record's hooks learn roles: `since` needs the mode)
                 native = self._native_eligible() and not (keep and self._since)
                 wanted = self.breakdown and not (self.timeline or self._since)
                 log = for_region(self.targets, wanted, self._watched, lambda: alive(self._inputs))
                 if log is not None:  # a breakdown on one GPU: the allocator's log
                     self._log = self._recorders[log.device] = log
                 elif not native or (not keep and (self._watch or self._inputs)):
-                    found = list(self._watched())  # (natively, with nothing to learn: none)
-                    if not native or found or alive(self._inputs):
+                    found = list(self._watched())
+                    if not native or alive(self._inputs):
                         self._new_accountant(found)
+                    elif found:
+                        self._skipped = make_known(found, self._ledger, self._watch)
                 if self._log is None and not (native and self._start_native(keep)):
                     acc = self._accountant or self._new_accountant()
                     for target in self.targets:
@@ -174,8 +174,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             native.start()
         except NativeNotStartedError:  # another thread's region holds it: the dispatch mode
             return False
-        self._native = native
-        self._recorders["cpu"] = native
+        self._native = self._recorders["cpu"] = native
         if native.roles is not None:
             for t in alive(self._inputs):
                 native.roles.mark(t, Category.INPUT)
@@ -186,9 +185,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._state == "new":
-            raise misuse(
-                "memlab.track: __exit__ without __enter__; use it as `with memlab.track(...):`"
-            )
+            raise misuse("memlab.track: __exit__ without __enter__; use `with memlab.track():`")
         # A Ctrl-C while memlab closes the region waits until it is closed and its report built
         # (closing again resumes where it stopped); the report says so where the code had ended.
         deferred: KeyboardInterrupt | None = None
@@ -246,6 +243,8 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             self._accountant.mark(t, category)
         elif self._native is not None and self._native.roles is not None:
             self._native.roles.mark(t, category)
+        elif self._native is not None:  # (without roles: the ledger knows it from the start)
+            self._ledger.classify(t, category)
         elif self._log is not None:
             self._log.mark(t, category)
 
@@ -291,7 +290,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
             label=self.label,
             raised=raised,
             notes=[
-                *(acc.errors if acc else ()),
+                *(acc.errors if acc else self._skipped),
                 *(n for r in (self._native, self._log) if r is not None for n in r.notes),
                 *self._overlapped,
             ],

@@ -112,6 +112,11 @@ uint64_t region = 0;  // the open region's number; 0 when none is open
 uint64_t regions = 0;
 int64_t seq = 0;
 int64_t limit = 10'000'000;  // events kept per region; beyond it the region is lost
+// Blocks the wrapper handed out that no followed op returned (while no region was open, or in
+// one by code the record does not follow: another thread, a kernel's cache), since it loaded:
+// where it has not moved since the namespace was last looked at, nothing new can be in it
+// (memlab/core/roles.py, make_known).
+int64_t unfollowed = 0;
 bool overflow = false;
 // With a breakdown (`keep`): each event's time (CLOCK_MONOTONIC, ns: perf_counter's clock) and
 // phase, by sequence number.
@@ -344,7 +349,10 @@ struct Wrapper final : c10::Allocator {
               {key, static_cast<int64_t>(n), stamp(), -1, nullptr, false, false, false});
         } else {
           overflow = true;
+          ++unfollowed;
         }
+      } else {
+        ++unfollowed;
       }
       live[key] = b;
     }
@@ -1527,7 +1535,16 @@ void mn_end() {
   if (keep) {
     mark_grads();  // the gradients alive now
   }
+  for (const Alloc& a : allocs) {  // alive, and no op returned it: not the ledger's
+    unfollowed += a.storage == nullptr && a.free_seq < 0 ? 1 : 0;
+  }
   region = 0;
+}
+
+// `unfollowed` (above), for the namespace's watch.
+int64_t mn_unfollowed() {
+  std::lock_guard<std::mutex> g(mu);
+  return unfollowed;
 }
 
 // Counts: [allocations logged, of them returned by an op, earlier blocks freed, storages read,

@@ -24,6 +24,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_reads.restype = i64
     lib.mn_resized.argtypes = [ctypes.c_size_t, ctypes.c_size_t, i64, ctypes.c_ssize_t]
     lib.mn_resized.restype = ctypes.c_int
+    lib.mn_unfollowed.argtypes = []
+    lib.mn_unfollowed.restype = i64
     lib.mn_release.argtypes = []
     lib.mn_release.restype = None
     lib.mn_follows.argtypes = [ctypes.c_size_t]
