@@ -35,6 +35,7 @@ from memlab.core.native import pack
 from memlab.core.native.objects import typed_tensors
 from memlab.core.native.optimizers import name_optimizer
 from memlab.core.native.outer import Outer
+from memlab.core.native.watching import QuickWatch
 from memlab.core.older_graphs import OWN_UNPACK
 from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Phase
@@ -56,7 +57,7 @@ def native_pack() -> Any:
     return _PACK[0] if _PACK else None
 
 
-class NativeRoles(Roles):
+class NativeRoles(QuickWatch, Roles):
     """One per ledger and process (`roles_for`); installed for each native breakdown region."""
 
     def __init__(self, ledger: Ledger, lib: Any) -> None:
