@@ -82,6 +82,16 @@ def _check_size(d: Mapping[str, Any], key: str, what: str, name: str) -> None:
         raise SnapshotError(
             f"{name}: {what}'s {key} is {size:,} bytes; sizes are never negative: {_PASS}"
         )
+    if _whole(size) and size > MAX_SIZE:  # (inf; an int torch's allocator never writes)
+        shown = "inf" if isinstance(size, float) else f"a number of {size.bit_length():,} bits"
+        raise SnapshotError(
+            f"{name} is not laid out as a memory snapshot ({what}'s {key} is {shown}, more "
+            f"bytes than any device holds: an OverflowError where it is read as bytes): {_PASS}"
+        )
+
+
+#: More bytes than a size torch's allocator writes can be (a signed 64-bit count).
+MAX_SIZE = 2**63 - 1
 
 
 def _whole(v: Any) -> bool:
