@@ -13,6 +13,7 @@ says so."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from collections.abc import Callable
@@ -85,3 +86,19 @@ def follow(lib: Any) -> Callable[[], list[str]]:
         ]
 
     return stop
+
+
+def others_note(lib: Any) -> list[str]:
+    """The note on the memory threads the record does not follow allocated in the region just
+    closed and left alive (a thread started before it: it follows its own thread and the ones
+    it starts): not in the figures. Read after the record's end (``mn_end``)."""
+    out = (ctypes.c_int64 * 2)()
+    lib.mn_foreign(out)
+    blocks, nbytes = out
+    if not blocks:
+        return []
+    return [
+        f"{nbytes:,} bytes in {blocks:,} block(s) another thread allocated here and still holds "
+        "are not counted: the record follows the region's own thread and the threads it "
+        "starts, not one started before it"
+    ]

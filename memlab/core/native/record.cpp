@@ -86,6 +86,8 @@ struct Alloc {
   // Its storage moved on to a newer block of this region (grown by an op or resize_): its
   // bytes leave at the newer block's place (a Move), and its own free is not counted.
   bool superseded;
+  // Allocated on a thread the record does not follow (started before the region, not by it).
+  bool foreign;
 };
 
 struct Freed {
@@ -117,6 +119,12 @@ int64_t limit = 10'000'000;  // events kept per region; beyond it the region is 
 // where it has not moved since the namespace was last looked at, nothing new can be in it
 // (memlab/core/roles.py, make_known).
 int64_t unfollowed = 0;
+// The region the calling thread's allocations belong to (the one it opened or joined).
+thread_local uint64_t followed_region = 0;
+// Of the region's blocks alive at its end that a thread it does not follow allocated: how many
+// and their bytes (not in its figures: said in its notes).
+int64_t foreign_blocks = 0;
+int64_t foreign_bytes = 0;
 bool overflow = false;
 // With a breakdown (`keep`): each event's time (CLOCK_MONOTONIC, ns: perf_counter's clock) and
 // phase, by sequence number.
@@ -345,8 +353,8 @@ struct Wrapper final : c10::Allocator {
         if (allocs.size() < static_cast<size_t>(limit)) {
           b.region = region;
           b.index = static_cast<int64_t>(allocs.size());
-          allocs.push_back(
-              {key, static_cast<int64_t>(n), stamp(), -1, nullptr, false, false, false});
+          allocs.push_back({key, static_cast<int64_t>(n), stamp(), -1, nullptr, false, false,
+                            false, followed_region != region});
         } else {
           overflow = true;
           ++unfollowed;
@@ -646,7 +654,7 @@ void returned_storage(c10::StorageImpl* s) {
     adopted_keys.insert(s);
   }
   allocs.push_back(
-      {key, static_cast<int64_t>(s->nbytes()), stamp(), -1, s, true, older_block, false});
+      {key, static_cast<int64_t>(s->nbytes()), stamp(), -1, s, true, older_block, false, false});
   ++marked;
   seen(s);
 }
@@ -1455,6 +1463,8 @@ int begin_locked(int64_t max_events, int64_t ledger, int keep_events) {
     seq = 0;
     marked = 0;
     region = ++regions;
+    followed_region = region;
+    foreign_blocks = foreign_bytes = 0;
     held = true;
     running.clear();  // records left open by an earlier region that closed inside an op
     route = 0;
@@ -1510,6 +1520,7 @@ int mn_thread_join() {
   }
   c10::impl::tls_set_dispatch_key_included(kModeKey, true);
   key_included = true;
+  followed_region = region;
   return 1;
 #else
   return 0;
@@ -1536,7 +1547,11 @@ void mn_end() {
     mark_grads();  // the gradients alive now
   }
   for (const Alloc& a : allocs) {  // alive, and no op returned it: not the ledger's
-    unfollowed += a.storage == nullptr && a.free_seq < 0 ? 1 : 0;
+    if (a.storage == nullptr && a.free_seq < 0) {
+      ++unfollowed;
+      foreign_blocks += a.foreign ? 1 : 0;
+      foreign_bytes += a.foreign ? a.size : 0;
+    }
   }
   region = 0;
 }
@@ -1545,6 +1560,14 @@ void mn_end() {
 int64_t mn_unfollowed() {
   std::lock_guard<std::mutex> g(mu);
   return unfollowed;
+}
+
+// [blocks, bytes] another thread allocated in the last region, alive at its end (see
+// `foreign_blocks`).
+void mn_foreign(int64_t* out) {
+  std::lock_guard<std::mutex> g(mu);
+  out[0] = foreign_blocks;
+  out[1] = foreign_bytes;
 }
 
 // Counts: [allocations logged, of them returned by an op, earlier blocks freed, storages read,

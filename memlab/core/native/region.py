@@ -170,6 +170,7 @@ class NativeRegion:
             return
         if self._open:
             self._close_record()
+            self.notes += joiner.others_note(self._lib)
             if dispatch_modes_on():  # none was on when the region opened: memlab's own modes
                 left_on = [type(m) for m in _torch.dispatch_mode_stack()]  # (another region's)
                 names = ", ".join(t.__name__ for t in left_on if t.__module__[:7] != "memlab.")

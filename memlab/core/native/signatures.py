@@ -26,6 +26,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mn_resized.restype = ctypes.c_int
     lib.mn_unfollowed.argtypes = []
     lib.mn_unfollowed.restype = i64
+    lib.mn_foreign.argtypes = [i64p]
+    lib.mn_foreign.restype = None
     lib.mn_release.argtypes = []
     lib.mn_release.restype = None
     lib.mn_follows.argtypes = [ctypes.c_size_t]
