@@ -37,6 +37,7 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     >>> with memlab.track(breakdown=True) as t:
     ...     loss = model(x).sum(); loss.backward()
     >>> t.report.peak_delta
+
     device: ``None`` (the current CUDA device, else the CPU), ``"cpu"``, ``"cuda:1"``, ``"meta"``,
         or ``"all"`` (every CUDA device). CUDA figures come from the caching allocator; other
         devices from exact tensor accounting.
@@ -47,9 +48,9 @@ class track:  # noqa: N801  (used as a context manager, named like one)
     reset_peak: reset the allocator's peak counter at the start (the default) so the peak is the
         region's own; ``False`` leaves it alone and the peak is "since the last reset".
     driver: also read the driver's view (``mem_get_info``, NVML) at the end.
-    watch: modules, optimizers and tensors whose roles to learn (the ledger told their storages,
-        without a breakdown) even if the region doesn't use them, or a function returning them
-        (the magic passes the notebook's variables so), held weakly.
+    watch: modules, optimizers and tensors to know even if the region doesn't use them (and
+        their roles, with a breakdown), or a function returning them (the magic passes the
+        notebook's variables so), held weakly.
     inputs: tensors to count as the region's inputs.
     since: with a breakdown or a timeline, storages the ledger knew before this serial
         (``ledger.next_serial()``) that the region never touches are left out of its figures.

@@ -117,7 +117,7 @@ int64_t limit = 10'000'000;  // events kept per region; beyond it the region is 
 // Blocks the wrapper handed out that no followed op returned (while no region was open, or in
 // one by code the record does not follow: another thread, a kernel's cache), since it loaded:
 // where it has not moved since the namespace was last looked at, nothing new can be in it
-// (memlab/core/roles.py, make_known).
+// (memlab/core/known.py, make_known).
 int64_t unfollowed = 0;
 // The region the calling thread's allocations belong to (the one it opened or joined).
 thread_local uint64_t followed_region = 0;
