@@ -24,8 +24,8 @@ import torch
 from memlab.core._torch_record import unseen
 from memlab.core.ledger import Ledger
 from memlab.core.native import library
-from memlab.core.roles import state_tensors
-from memlab.core.storages import PLAIN, storage_of
+from memlab.core.roles import module_tree, state_tensors
+from memlab.core.storages import storage_of
 
 
 class Renewing:
@@ -57,15 +57,8 @@ def make_known(objects: Sequence[Any], ledger: Ledger, source: Any = None) -> li
         for obj in objects:
             try:
                 for t in _tensors_of(obj):
-                    storage: Any = None
-                    if type(t) in PLAIN:
-                        try:
-                            storage = t.untyped_storage()
-                        except Exception:  # (a sparse tensor: storage_of's None)
-                            continue
-                    elif (storage := storage_of(t)) is None:
-                        continue
-                    if id(storage) not in entries:
+                    storage = storage_of(t)
+                    if storage is not None and id(storage) not in entries:
                         ledger.existing(t, storage)
             except Exception:
                 skipped += 1
@@ -88,21 +81,10 @@ def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
 
 
 def _members(module: torch.nn.Module) -> tuple[list[Any], list[Any]]:
-    """The parameters and buffers of ``module`` and of every module under it, each module once
-    (one walk of the tree, where ``parameters()`` and ``buffers()`` walk it once each)."""
-    params: list[Any] = []
-    buffers: list[Any] = []
-    seen = {id(module)}
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        params.extend(p for p in m._parameters.values() if p is not None)
-        buffers.extend(b for b in m._buffers.values() if b is not None)
-        for sub in m._modules.values():
-            if sub is not None and id(sub) not in seen:
-                seen.add(id(sub))
-                todo.append(sub)
-    return params, buffers
+    """The parameters and buffers of ``module`` and of every module under it."""
+    tree = module_tree(module)
+    params = [p for m in tree for p in m._parameters.values() if p is not None]
+    return params, [b for m in tree for b in m._buffers.values() if b is not None]
 
 
 def _with_grads(leaves: Iterable[torch.Tensor], others: Iterable[torch.Tensor]) -> list[Any]:

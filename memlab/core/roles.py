@@ -141,6 +141,18 @@ class Roles:
                     self.mark(obj.grad, Category.GRADIENT)
 
 
+def module_tree(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and every module under it, each once (a module shared or in a cycle too), by
+    its ``_modules``: one walk, where ``parameters()`` and ``buffers()`` walk the tree each."""
+    tree, seen = [module], {id(module)}
+    for m in tree:  # (grows as it goes)
+        for child in m._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                tree.append(child)
+    return tree
+
+
 def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors in ``opt.state`` (momentum, Adam's moments, step counters)."""
     return [

@@ -98,7 +98,7 @@ def device_key(device: torch.device) -> str:
     return key
 
 
-PLAIN = _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def wrapped_tensors(t: torch.Tensor) -> list[torch.Tensor]:

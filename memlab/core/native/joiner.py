@@ -88,11 +88,15 @@ def follow(lib: Any) -> Callable[[], list[str]]:
     return stop
 
 
+#: What ``mn_foreign`` writes: [blocks, bytes] (one region at a time closes).
+_FOREIGN = (ctypes.c_int64 * 2)()
+
+
 def others_note(lib: Any) -> list[str]:
     """The note on the memory threads the record does not follow allocated in the region just
     closed and left alive (a thread started before it: it follows its own thread and the ones
     it starts): not in the figures. Read after the record's end (``mn_end``)."""
-    out = (ctypes.c_int64 * 2)()
+    out = _FOREIGN
     lib.mn_foreign(out)
     blocks, nbytes = out
     if not blocks:

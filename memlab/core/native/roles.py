@@ -39,7 +39,7 @@ from memlab.core.native.watching import QuickWatch
 from memlab.core.older_graphs import OWN_UNPACK
 from memlab.core.older_graphs import unpack as _unpack
 from memlab.core.recorder import Phase
-from memlab.core.roles import Roles
+from memlab.core.roles import Roles, module_tree
 
 #: A category's code in the library: its priority + 1 (lower is stronger; 0 none).
 CODE: dict[Category, int] = {c: p + 1 for c, p in PRIORITY.items()}
@@ -223,14 +223,8 @@ class NativeRoles(QuickWatch, Roles):
                 if not whole:
                     self._name_module(module)
                     return
-                stack, seen = [module], {id(module)}  # its modules, named now
-                while stack:
-                    m = stack.pop()
+                for m in module_tree(module):  # its modules, named now
                     self._name_module(m)
-                    for child in m._modules.values():
-                        if child is not None and id(child) not in seen:
-                            seen.add(id(child))
-                            stack.append(child)
         except Exception as e:  # never break the user's forward for our bookkeeping
             self._error(e, "a module's roles not read")
 

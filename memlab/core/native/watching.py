@@ -18,6 +18,7 @@ import torch
 
 from memlab.core.categories import Category
 from memlab.core.native.optimizers import name_optimizer
+from memlab.core.roles import module_tree
 
 
 class QuickWatch:
@@ -30,17 +31,11 @@ class QuickWatch:
     _name_module: Callable[[torch.nn.Module], None]
 
     def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
-        stack, seen = [module], {id(module)}
-        while stack:
-            m = stack.pop()
+        for m in module_tree(module) if recurse else [module]:
             self._name_module(m)
             for p in m._parameters.values():
                 if p is not None and (grad := p.grad) is not None:
                     self.mark(grad, Category.GRADIENT)
-            for child in m._modules.values() if recurse else ():
-                if child is not None and id(child) not in seen:
-                    seen.add(id(child))
-                    stack.append(child)
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self._optimizers.add(opt)
