@@ -140,9 +140,16 @@ def test_the_watch_finds_exactly_the_names_bound_rebound_or_deleted(scan_path: s
             else:
                 value = ns.pop(name, rng.choice(pool))
                 ns[name] = value  # moved to the end
+        if round_ % 40 == 39:  # (many names at once: the dict's table is rebuilt)
+            for i in range(rng.randrange(100, 400)):
+                ns[f"w{round_}_{i}"] = rng.choice(pool)
+        if round_ % 50 == 25:  # a key that is no string, set and taken away (not looked at)
+            ns[round_] = pool[0]  # type: ignore[index]
+        if round_ % 50 == 30:
+            ns.pop(round_ - 5, None)  # type: ignore[call-overload]
         if round_ == 150:
             ns.clear()
-        now = {k: id(v) for k, v in ns.items()}
+        now = {k: id(v) for k, v in ns.items() if type(k) is str}
         expected = {k for k in now if last.get(k) != now[k]} | (last.keys() - now.keys())
         assert watch._changed(ns) == expected, round_
         last = now
@@ -160,12 +167,21 @@ def test_the_scan_in_c_holds_the_names_only_and_refuses_what_is_not_its_record()
     held = sys.getrefcount(value), sys.getrefcount(name)
     keys: list[Any] = []
     ids = bytearray()
-    assert scan(ns, keys, ids) == [name] and keys == [name] and len(ids) == len(keys) * 8
+    # (this Python's dicts read as their entry table: 16 bytes a slot, the key's and value's)
+    assert scan(ns, keys, ids) == [name] and keys == [name] and len(ids) == len(keys) * 16
     assert sys.getrefcount(value) == held[0]  # the value is not held
     assert sys.getrefcount(name) == held[1] + 1  # the name is, by the record
     assert scan(ns, keys, ids) == []
     assert scan(ns, keys, bytearray(3)) is None  # a record that is not one: compared as dicts
     assert scan({}, keys, ids) is None  # names deleted
+    del ns[name]  # (a slot emptied: the record lets the name go)
+    assert scan(ns, keys, ids) == [name] and keys == [None]
+    assert sys.getrefcount(name) == held[1] - 1
+    # a dict with a key that is no string is read by one pass over it: 8 bytes a name
+    other: dict[Any, Any] = {1: value, name: value}
+    keys, ids = [], bytearray()
+    assert scan(other, keys, ids) == [1, name] and len(ids) == 16
+    assert scan(other, keys, ids) == [] and scan(other, [], bytearray(16)) is None
     for bad in [([], keys, ids), (ns, (), ids), (ns, keys, b"")]:
         with pytest.raises(TypeError):
             scan(*bad)

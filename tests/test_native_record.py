@@ -281,21 +281,25 @@ def test_the_native_record_is_built_here() -> None:
 
 
 def test_the_calls_each_region_makes_keep_the_gil() -> None:
-    """The record's brief calls at every region go through ctypes.PyDLL (the GIL kept: letting
-    it go means waiting to take it back behind IPython's history thread after each cell); the
-    others through ctypes.CDLL, which lets other threads run meanwhile."""
+    """The record's brief calls go through ctypes.PyDLL (the GIL kept: letting it go means
+    waiting to take it back behind IPython's history thread after each cell); the ones whose
+    time grows with the region's events keep it after a small region only, else go through
+    ctypes.CDLL, which lets other threads run meanwhile."""
     import ctypes
 
-    from memlab.core.native.signatures import QUICK
+    from memlab.core.native.signatures import LONG, SMALL, sized
 
     lib = native.library()
     assert lib is not None
 
-    def keeps_gil(name: str) -> bool:
-        return bool(getattr(lib, name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI)  # type: ignore[attr-defined]
+    def keeps_gil(name: str, of: Any = lib) -> bool:
+        return bool(getattr(of, name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI)  # type: ignore[attr-defined]
 
-    assert [n for n in QUICK if not keeps_gil(n)] == []
-    assert not keeps_gil("mn_sweep") and not keeps_gil("mn_tally")  # (long: the GIL let go)
+    names = [n for n in vars(lib.held) if n.startswith("mn_")]  # (the declared ones)
+    assert {"mn_begin", "mn_end", "mn_counts", "mn_foreign", "mn_sweep"} <= set(names)
+    assert [n for n in names if keeps_gil(n) == (n in LONG)] == []
+    assert all(keeps_gil(n, sized(lib, SMALL)) for n in LONG)
+    assert not any(keeps_gil(n, sized(lib, SMALL + 1)) for n in LONG)
     with memlab.track("cpu") as t:  # (and they still work)
         x = torch.empty(100)
     assert t._native is not None and t.report.allocated_delta == x.untyped_storage().nbytes()

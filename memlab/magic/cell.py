@@ -44,15 +44,19 @@ def compile_cell(
     padded = transformed if header is None else f"# {inert(header)}\n{transformed}"
     number = getattr(shell.displayhook, "prompt_count", shell.execution_count)
     filename = shell.compile.cache(padded, number, raw_code=source)
-    tree = shell.transform_ast(ast.parse(padded, filename=filename))  # the shell's ast_transformers
-    last = None
-    final = tree.body[-1] if tree.body else None
-    if isinstance(final, ast.Expr):
-        tree.body.pop()
-        last = ast.Expression(final.value)
     flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
-    expr = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+    quick = None if shell.ast_transformers else _from_source(padded, filename, flags)
+    if quick is not None:
+        body, expr = quick
+    else:  # the syntax tree decides (and the shell's ast_transformers change it)
+        tree = shell.transform_ast(ast.parse(padded, filename=filename))
+        last = None
+        final = tree.body[-1] if tree.body else None
+        if isinstance(final, ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(final.value)
+        body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+        expr = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
     # a `from __future__ import ...` in the cell holds for later cells, as IPython's own do
     shell.compile.flags |= body.co_flags & _FUTURE_FLAGS
     if _is_async(body) or (expr is not None and _is_async(expr)):
@@ -62,6 +66,66 @@ def compile_cell(
             "`t.report`."
         )
     return body, expr, _ends_with_semicolon(transformed)
+
+
+#: What an assignment binds: a name, ``x.y``, ``x[i]`` or ``x.y[i, j]``.
+_TARGET = r"[A-Za-z_][\w.]*(?:\[[^][()=]*\])*"
+#: A last line that is a statement, not an expression: one that starts with a keyword only a
+#: statement starts with, or an assignment (``a = 1``, ``x.y, z[i] += f(w)``).
+_STATEMENT = re.compile(
+    r"(?:import|from|def|class|for|while|if|elif|else|with|try|except|finally|return|del|pass"
+    r"|raise|assert|global|nonlocal|async|break|continue)\b|@"
+    rf"|{_TARGET}(?:\s*,\s*{_TARGET})*\s*(?:[-+*/%@&|^]|//|\*\*|>>|<<)?=(?!=)"
+)
+
+
+def _from_source(padded: str, filename: str, flags: int) -> tuple[Any, Any] | None:
+    """(body, last expression or None) compiled from the source itself, the syntax tree's
+    round trip through Python objects left out (about half of the compiling), or None where
+    the tree must decide (and say what is wrong, where the cell does not compile).
+
+    Only where the last line is a whole logical line: no quotes (no string runs into or out of
+    it), brackets that close on it, no ``;``, the line before it not continued by a backslash.
+    The lines before it are then whole statements. At column 0 it is the last statement, an
+    expression where it compiles as one; indented, it is in the block of the last statement,
+    which is then no expression."""
+    head, _, last = padded.rstrip().rpartition("\n")
+    if (
+        not last
+        or last.lstrip()[:1] == "#"
+        or "\r" in padded
+        or not _whole_line(last)
+        or head.endswith("\\")
+    ):
+        return None
+    if last[0] not in " \t" and _STATEMENT.match(last) is None:
+        try:  # (a line of the cell's own: its line number kept)
+            line = "\n" * (head.count("\n") + 1) + last if head else last
+            expr = compile(line, filename, "eval", flags=flags, dont_inherit=True)
+        except Exception:  # (a statement the pattern does not know, or `*x,`: the tree tells)
+            return None
+        try:
+            return compile(head, filename, "exec", flags=flags, dont_inherit=True), expr
+        except Exception:  # (the tree says where, as IPython would)
+            return None
+    try:
+        return compile(padded, filename, "exec", flags=flags, dont_inherit=True), None
+    except Exception:
+        return None
+
+
+def _whole_line(line: str) -> bool:
+    if "'" in line or '"' in line or ";" in line or line.endswith("\\"):
+        return False
+    depth = 0
+    for ch in line:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0
 
 
 def inert(header: str) -> str:

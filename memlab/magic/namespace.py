@@ -172,9 +172,10 @@ class NamespaceWatch(Renewing):
         return fresh
 
     def _changed(self, ns: dict[Any, Any]) -> set[Any]:
-        """Names bound, rebound or deleted since the last call. The common case (names only
-        added or rebound) is one pass over the dict in C (`pack.namespace_scan`, where memlab's
-        library is loaded; else the values' identities compared as one numpy array)."""
+        """Names bound, rebound or deleted since the last call. In C where memlab's library is
+        loaded (`pack.namespace_scan`): the dict's entry table compared with the last one as
+        memory, or one pass over the dict; else, and where that cannot tell (names deleted and
+        the table rebuilt), the values' identities as one numpy array."""
         scan = pack.namespace_scan()
         if scan is not None and type(ns) is dict:
             try:
@@ -183,19 +184,36 @@ class NamespaceWatch(Renewing):
                 names = None
             if names is not None:  # (names are strings: another key, set by `globals()[k]`,
                 return set(_names(names))  # may not hash again)
-        old_keys, before = self._keys, np.frombuffer(bytes(self._ids), dtype=np.uintp)
-        if len(before) != len(old_keys):  # (a record left half made: every name is new)
-            old_keys, before = [], before[:0]
+        old_keys, before = self._recorded()
         keys = list(ns)
         ids = identities(ns.values(), len(keys))
         self._keys, self._ids = keys, bytearray(ids.tobytes())
         m = len(old_keys)
         if len(keys) >= m and all(map(operator.is_, keys[:m], old_keys)):
             moved = np.flatnonzero(ids[:m] != before).tolist()
-            return {keys[i] for i in moved if type(keys[i]) is str}.union(_names(keys[m:]))
-        old = dict(_named(old_keys, before.tolist()))
-        now = dict(_named(keys, ids.tolist()))
-        return {k for k, _ in now.items() - old.items()} | (old.keys() - now.keys())
+            found = {keys[i] for i in moved if type(keys[i]) is str}.union(_names(keys[m:]))
+        else:
+            old = dict(_named(old_keys, before.tolist()))
+            now = dict(_named(keys, ids.tolist()))
+            found = {k for k, _ in now.items() - old.items()} | (old.keys() - now.keys())
+        if scan is not None and type(ns) is dict:  # recorded afresh, as the scan in C reads it
+            self._keys, self._ids = [], bytearray()
+            with contextlib.suppress(Exception):
+                if scan(ns, self._keys, self._ids) is not None:
+                    return found
+            self._keys, self._ids = keys, bytearray(ids.tobytes())
+        return found
+
+    def _recorded(self) -> tuple[list[Any], np.ndarray[Any, Any]]:
+        """The names of the last record and their values' addresses, in the dict's order (a
+        record of the entry table's slots has None at a slot left empty: a name that is no
+        string, as a key set by ``globals()[k]`` is, which the watch does not look at)."""
+        keys, raw = self._keys, np.frombuffer(bytes(self._ids), dtype=np.uintp)
+        if len(raw) == 2 * len(keys):  # (key, value) per slot
+            return keys, raw[1::2]
+        if len(raw) == len(keys):
+            return keys, raw
+        return [], raw[:0]  # (a record left half made: every name is new)
 
     def _keep(self, name: Any, value: Any) -> None:
         # held weakly: the watch keeps nothing alive; a value that cannot be weakly referred to

@@ -15,6 +15,7 @@ from memlab.core.collector import hold_collector
 from memlab.core.ledger import Entry, Ledger
 from memlab.core.native.frees import ON_CPU
 from memlab.core.native.objects import HANDED, saved_aliases
+from memlab.core.native.signatures import sized
 
 
 def reads(lib: Any, n: int) -> Iterator[tuple[torch.UntypedStorage | None, int, int]]:
@@ -36,6 +37,7 @@ def hand_over(lib: Any, ledger: Ledger, handed: dict[int, int], aliases: bool) -
     counts = (ctypes.c_int64 * 7)()
     lib.mn_counts(counts, len(counts))
     n_reads, n_alive = counts[3], counts[5]
+    lib = sized(lib, counts[0] + counts[2] + n_reads)
     with ledger._lock:
         ledger.settle()
         for storage, ptr, size in reads(lib, n_reads):

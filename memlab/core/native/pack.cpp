@@ -16,7 +16,10 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <new>
 #include <utility>
 #include <vector>
@@ -44,13 +47,197 @@ PyObject* unpack(PyObject* /*self*/, PyObject* arg) {
   return arg;
 }
 
-// changed(ns, keys, ids) -> the names bound or rebound since, or None. `keys` (a list) and `ids`
-// (a bytearray: one uintptr_t per key, its value's address) are the caller's record of `ns` at
-// the last call. Where the names now begin with `keys`, the same objects in the same order, the
-// record is brought up to date in place (the values that changed, the names added) and the
-// names among them whose value is another object are returned, then the names added; else
-// (names deleted or moved) nothing is changed and None is returned: the caller compares the two
-// as dicts. One pass over the dict that allocates nothing while it runs.
+// The namespace's record between two scans (see `changed`): `keys`, a list, and `ids`, a
+// bytearray. Either one entry per name, in the dict's order, with its value's address (8 bytes
+// each: the pass over PyDict_Next), or one per slot of the dict's entry table (16 bytes each: the
+// key's and the value's address; None in `keys` for a slot left empty by a deletion).
+
+// CPython's combined table (3.11 to 3.14, with the GIL): the keys object's head and a slot of a
+// table whose keys are all str. Read only after `slots_readable` saw it laid out so.
+struct KeysHead {
+  Py_ssize_t refcnt;
+  uint8_t log2_size;
+  uint8_t log2_index_bytes;
+  uint8_t kind;  // 0 any keys, 1 str keys, 2 split (an instance's)
+  uint32_t version;
+  Py_ssize_t usable;
+  Py_ssize_t nentries;
+  char indices[8];
+};
+struct Slot {
+  PyObject* key;
+  PyObject* value;
+};
+int layout = -1;  // -1 not checked yet, 0 not as above, 1 as above
+
+// The entry table of `ns` (its slots, into n), or null where it is not a combined table of str
+// keys laid out as above.
+const Slot* slots_of(PyObject* ns, Py_ssize_t* n) {
+  auto* d = reinterpret_cast<PyDictObject*>(ns);
+  if (d->ma_values != nullptr) {
+    return nullptr;
+  }
+  const auto* k = reinterpret_cast<const KeysHead*>(d->ma_keys);
+  if (k->kind != 1 || k->log2_index_bytes > 40 || k->nentries < 0) {
+    return nullptr;
+  }
+  *n = k->nentries;
+  return reinterpret_cast<const Slot*>(k->indices + (size_t{1} << k->log2_index_bytes));
+}
+
+// Whether this Python's dicts are laid out as `slots_of` reads them: a dict of known names,
+// one deleted, read both ways (PyDict_Next and the table). Checked once; where not, the scan
+// takes the pass over PyDict_Next.
+bool slots_readable() {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030F0000 && !defined(Py_GIL_DISABLED)
+  if (layout >= 0) {
+    return layout == 1;
+  }
+  layout = 0;
+  PyObject* d = PyDict_New();
+  if (d == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  bool ok = true;
+  char name[32];
+  for (int i = 0; i < 40 && ok; ++i) {  // (grown past its first table)
+    std::snprintf(name, sizeof(name), "memlab_probe_%d", i);
+    PyObject* v = PyLong_FromLong(100000 + i);
+    ok = v != nullptr && PyDict_SetItemString(d, name, v) == 0;
+    Py_XDECREF(v);
+  }
+  ok = ok && PyDict_DelItemString(d, "memlab_probe_3") == 0;
+  Py_ssize_t n = 0;
+  const Slot* slots = ok ? slots_of(d, &n) : nullptr;
+  ok = slots != nullptr && n == 40 && slots[3].key == nullptr && slots[3].value == nullptr;
+  Py_ssize_t pos = 0, i = 0;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  while (ok && PyDict_Next(d, &pos, &key, &value)) {
+    i += i == 3 ? 1 : 0;
+    ok = i < n && slots[i].key == key && slots[i].value == value;
+    ++i;
+  }
+  ok = ok && i == 40;
+  Py_DECREF(d);
+  PyErr_Clear();
+  layout = ok ? 1 : 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// `changed` over the entry table: the slots compared with the record's as memory (a few
+// nanoseconds a name, where the pass over PyDict_Next takes 15 to 100), then the names at the
+// slots that differ. None where the table is not the one recorded (rebuilt with names deleted).
+PyObject* changed_slots(PyObject* keys, PyObject* ids, const Slot* now, Py_ssize_t n) {
+  const Py_ssize_t m = PyList_GET_SIZE(keys);
+  if (n < m) {
+    Py_RETURN_NONE;
+  }
+  const auto* before = reinterpret_cast<const Slot*>(PyByteArray_AS_STRING(ids));
+  std::vector<Slot> table;     // the table now, copied before any Python code may run
+  std::vector<Py_ssize_t> at;  // the slots whose value (or key: deleted) is another now
+  try {
+    table.assign(now, now + n);
+    at.reserve(16);
+    constexpr Py_ssize_t kBlock = 64;
+    for (Py_ssize_t b = 0; b < m; b += kBlock) {
+      const Py_ssize_t e = std::min(m, b + kBlock);
+      if (std::memcmp(before + b, &table[b], static_cast<size_t>(e - b) * sizeof(Slot)) == 0) {
+        continue;
+      }
+      for (Py_ssize_t i = b; i < e; ++i) {
+        const Slot& s = table[i];
+        if (s.key != before[i].key && s.key != nullptr) {
+          Py_RETURN_NONE;  // another name in the slot: a table rebuilt
+        }
+        if (s.key != before[i].key || s.value != before[i].value) {
+          at.push_back(i);
+        }
+      }
+    }
+    for (Py_ssize_t i = m; i < n; ++i) {
+      if (table[i].key != nullptr) {
+        at.push_back(i);
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  // the names held from here (a collection below may run code that edits the dict): the
+  // record's for a slot emptied, the table's for the others
+  std::vector<PyObject*> names(at.size());
+  for (size_t j = 0; j < at.size(); ++j) {
+    const Py_ssize_t i = at[j];
+    names[j] = table[i].key != nullptr ? table[i].key : PyList_GET_ITEM(keys, i);
+    Py_INCREF(names[j]);
+  }
+  PyObject* out = PyList_New(0);
+  PyObject* gone = nullptr;  // name -> its value's address before, for the names deleted
+  PyObject* same = nullptr;  // names deleted and added again with the same value: no change
+  bool ok = out != nullptr;
+  for (size_t j = 0; ok && j < at.size(); ++j) {
+    if (table[at[j]].key == nullptr) {
+      PyObject* was = PyLong_FromVoidPtr(before[at[j]].value);
+      ok = was != nullptr && (gone != nullptr || (gone = PyDict_New()) != nullptr) &&
+           PyDict_SetItem(gone, names[j], was) == 0;
+      Py_XDECREF(was);
+    }
+  }
+  for (size_t j = 0; ok && gone != nullptr && j < at.size(); ++j) {
+    if (at[j] >= m) {  // added: moved, where it was deleted with this value
+      PyObject* was = PyDict_GetItemWithError(gone, names[j]);  // (str keys: no code runs)
+      if (was != nullptr && PyLong_AsVoidPtr(was) == table[at[j]].value) {
+        ok = (same != nullptr || (same = PySet_New(nullptr)) != nullptr) &&
+             PySet_Add(same, names[j]) == 0;
+      }
+    }
+  }
+  for (size_t j = 0; ok && j < at.size(); ++j) {
+    if (same == nullptr || PySet_Contains(same, names[j]) != 1) {
+      ok = PyList_Append(out, names[j]) == 0;
+    }
+  }
+  // the record, brought up to date: a slot emptied lets its name go, the added ones are kept
+  for (size_t j = 0; ok && j < at.size(); ++j) {
+    const Py_ssize_t i = at[j];
+    if (i < m) {
+      if (table[i].key == nullptr) {
+        Py_INCREF(Py_None);
+        ok = PyList_SetItem(keys, i, Py_None) == 0;
+      }
+    }
+  }
+  for (Py_ssize_t i = m; ok && i < n; ++i) {  // (a name added is held by `names` until here)
+    ok = PyList_Append(keys, table[i].key != nullptr ? table[i].key : Py_None) == 0;
+  }
+  ok = ok && PyByteArray_Resize(ids, n * static_cast<Py_ssize_t>(sizeof(Slot))) == 0;
+  if (ok) {
+    std::memcpy(PyByteArray_AS_STRING(ids), table.data(), static_cast<size_t>(n) * sizeof(Slot));
+  }
+  for (PyObject* name : names) {
+    Py_DECREF(name);
+  }
+  Py_XDECREF(gone);
+  Py_XDECREF(same);
+  if (!ok) {
+    Py_XDECREF(out);
+    return nullptr;
+  }
+  return out;
+}
+
+// changed(ns, keys, ids) -> the names bound, rebound or deleted since, or None. `keys` and `ids`
+// are the caller's record of `ns` at the last call (see above; both empty: none). Where `ns` is
+// laid out as a table of str keys, its slots are compared with the record's; else, and where
+// the names now begin with `keys` (the same objects in the same order), one pass over PyDict_Next
+// finds the values that changed and the names added. The record is brought up to date in place
+// and the names returned; else (the table rebuilt, names deleted or moved, a record of the other
+// kind) nothing is changed and None is returned: the caller compares the two as dicts, then
+// records afresh (passing an empty record). Allocates nothing while it reads the dict.
 PyObject* changed(PyObject* /*self*/, PyObject* args) {
   PyObject* ns = nullptr;
   PyObject* keys = nullptr;
@@ -59,10 +246,16 @@ PyObject* changed(PyObject* /*self*/, PyObject* args) {
                         &PyByteArray_Type, &ids)) {
     return nullptr;
   }
+  const Py_ssize_t m = PyList_GET_SIZE(keys);
+  const Py_ssize_t size = PyByteArray_GET_SIZE(ids);
+  Py_ssize_t slots_n = 0;
+  const Slot* slots = slots_readable() ? slots_of(ns, &slots_n) : nullptr;
+  if (slots != nullptr && size == m * static_cast<Py_ssize_t>(sizeof(Slot))) {
+    return changed_slots(keys, ids, slots, slots_n);
+  }
   const Py_ssize_t width = static_cast<Py_ssize_t>(sizeof(uintptr_t));
   const Py_ssize_t n = PyDict_Size(ns);
-  const Py_ssize_t m = PyList_GET_SIZE(keys);
-  if (n < m || PyByteArray_GET_SIZE(ids) != m * width) {
+  if (slots != nullptr || n < m || size != m * width) {
     Py_RETURN_NONE;
   }
   std::vector<std::pair<Py_ssize_t, uintptr_t>> moved;  // (position, value's address)

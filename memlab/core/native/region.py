@@ -36,6 +36,7 @@ from memlab.core.native import breakdown, handover, joiner, library
 from memlab.core.native.eligible import NativeNotStartedError, eager
 from memlab.core.native.frees import ON_CPU, Frees
 from memlab.core.native.roles import NativeRoles, roles_for
+from memlab.core.native.signatures import sized
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
 from memlab.core.storages import address_of, follow_addresses
@@ -235,7 +236,8 @@ class NativeRegion:
         ledger = self.ledger
         counts = _COUNTS
         lib.mn_counts(counts, len(counts))
-        _, _, _, n_reads, overflow, n_alive, transformed = counts
+        n_allocs, _, n_frees, n_reads, overflow, n_alive, transformed = counts
+        lib = sized(lib, n_allocs + n_frees + n_reads)  # (a small region's calls keep the GIL)
         if overflow:
             self.lost += 1
             self.notes.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -76,17 +77,41 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-#: The calls that open and close each region: no Python code, no wait for another thread but
-#: the record's own lock, whose holders never wait for the GIL; microseconds for a cell's region
-#: (the first after a region of millions of events lets go of them: milliseconds).
-QUICK = ("mn_begin", "mn_end", "mn_release")
+#: The calls whose time grows with the region's events (or that register with PyTorch's
+#: dispatcher): through ctypes.CDLL, which lets other threads run meanwhile, after a region of
+#: more than `SMALL` events (see `sized`). Every other call is brief (no Python code, no wait
+#: but for the record's own lock, whose holders never wait for the GIL) and keeps the GIL.
+LONG = (
+    "mn_sweep",
+    "mn_tally",
+    "mn_survivors",
+    "mn_reads",
+    "mn_older",
+    "mn_marks",
+    "mn_points",
+    "mn_install",
+    "mn_uninstall",
+    "mn_saved_op",
+    "mn_prefer_records",
+)
+#: Events (allocations, frees, reads) up to which a region's long calls keep the GIL too:
+#: about a millisecond of work in the library.
+SMALL = 1 << 15
 
 
 def quick(lib: ctypes.CDLL, path: str) -> ctypes.CDLL:
-    """``lib`` with its `QUICK` calls made through ``ctypes.PyDLL``, which keeps the GIL: a call
+    """``lib`` with its brief calls made through ``ctypes.PyDLL``, which keeps the GIL: a call
     that lets it go waits to take it back behind every other thread that wants it (IPython's
-    history thread, after each cell), which costs a region more than the call itself."""
+    history thread after each cell, a kernel's output thread), which costs a cell's region
+    more than the calls themselves (about 100 µs). ``lib.held`` has every call so (`sized`)."""
     held = declare(ctypes.PyDLL(path))
-    for name in QUICK:
+    for name in [n for n in vars(lib) if n.startswith("mn_") and n not in LONG]:
         setattr(lib, name, getattr(held, name))
+    lib.held = held  # type: ignore[attr-defined]
     return lib
+
+
+def sized(lib: Any, events: int) -> Any:
+    """The library whose `LONG` calls keep the GIL where the region was small (``events``),
+    else ``lib`` itself (they let it go)."""
+    return getattr(lib, "held", lib) if events <= SMALL else lib
