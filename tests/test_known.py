@@ -163,3 +163,29 @@ def test_a_tracked_region_with_watch_and_no_breakdown_counts_a_watched_models_fr
         box.clear()
     assert t.report.allocated_before == held == -t.report.allocated_delta
     assert default_ledger().total("cpu") == 0
+
+
+def test_a_breakdown_names_each_cells_gradients_new_replaced_or_moved(ip: Any) -> None:
+    """The breakdown's watch names a gradient once while its tensor and memory stay (through the
+    model and the optimizer, at the region's start and end); gradients made again by an
+    untracked cell, and one whose memory was swapped (``.data =``), are named anew: the
+    gradient category at the end is the bytes of the gradients alive, each time."""
+    from memlab.core.categories import Category
+
+    run(ip, "model = torch.nn.Linear(20, 30)\nopt = torch.optim.Adam(model.parameters())")
+    run(ip, "model(torch.ones(2, 20)).sum().backward(); opt.step()")
+
+    def gradients_at_end() -> tuple[int, int]:
+        run(ip, "%%gpumem -q -b -o r\na = 1")
+        breakdown = ip.user_ns["r"].breakdown
+        grads = [p.grad for p in ip.user_ns["model"].parameters()]
+        return breakdown.at_end.get(Category.GRADIENT, 0), _bytes(*grads)
+
+    first = gradients_at_end()
+    assert first[0] == first[1] == (20 * 30 + 30) * 4
+    assert gradients_at_end() == first  # (named before: the same)
+    run(ip, "opt.zero_grad(set_to_none=True)\nmodel(torch.ones(2, 20)).sum().backward()")
+    assert gradients_at_end() == first  # new tensors, named again
+    run(ip, "model.weight.grad.data = torch.ones(30, 40)")  # the same tensor, other memory
+    got, truth = gradients_at_end()
+    assert got == truth == (30 * 40 + 30) * 4

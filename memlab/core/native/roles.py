@@ -66,6 +66,7 @@ class NativeRoles(QuickWatch, Roles):
         self.errors: list[str] = []
         self._leaves = torch.utils.weak.WeakIdKeyDictionary()
         self._leaf_refs = {}
+        self._grad_refs = {}
         self._marked = {}
         self._prune_at = 4096
         self._optimizers = weakref.WeakSet()  # (the base class's: `watch` of an optimizer)
@@ -111,10 +112,11 @@ class NativeRoles(QuickWatch, Roles):
     def _prune(self) -> None:
         """Drops the caches' entries for tensors and storages that died (models built again
         and again, as the what-if panel does), once they have grown."""
-        if len(self._leaf_refs) > self._prune_at:
+        if max(len(self._leaf_refs), len(self._grad_refs)) > self._prune_at:
             self._leaf_refs = {k: v for k, v in self._leaf_refs.items() if v[0]() is not None}
+            self._grad_refs = {k: v for k, v in self._grad_refs.items() if v[0]() is not None}
             self._marked = {k: v for k, v in self._marked.items() if v() is not None}
-            self._prune_at = 2 * len(self._leaf_refs) + 4096
+            self._prune_at = 2 * max(len(self._leaf_refs), len(self._grad_refs)) + 4096
 
     def _push_pack(self) -> None:
         on = transforms.in_force()  # (memlab's stale pairs taken off)

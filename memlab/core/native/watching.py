@@ -6,11 +6,14 @@ model and Adam that is about 900 names a region, 2-3 ms each time. The native ro
 know how to name a module at its call (`NativeRoles._name_module`: its own parameters and
 buffers, each parameter once a process while its memory is the same) and an optimizer whose
 groups and state did not change (`name_optimizer`: nothing); ``watch`` uses them too. Only the
-gradients, which a backward or ``zero_grad`` replaces without a trace, are named each time.
+gradients, which a backward or ``zero_grad`` replaces without a trace, are looked at each time,
+and named where they are new (`QuickWatch._name_grad`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +30,7 @@ class QuickWatch:
     # (NativeRoles')
     _optimizers: Any
     _named: Any
+    _grad_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
     mark: Callable[[torch.Tensor, Category], None]
     _name_module: Callable[[torch.nn.Module], None]
 
@@ -35,12 +39,25 @@ class QuickWatch:
             self._name_module(m)
             for p in m._parameters.values():
                 if p is not None and (grad := p.grad) is not None:
-                    self.mark(grad, Category.GRADIENT)
+                    self._name_grad(grad)
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self._optimizers.add(opt)
         for group in opt.param_groups:
             for p in group["params"]:
                 if (grad := p.grad) is not None:
-                    self.mark(grad, Category.GRADIENT)
+                    self._name_grad(grad)
         name_optimizer(self, opt, self._named)
+
+    def _name_grad(self, grad: torch.Tensor) -> None:
+        """A gradient named: once a process while its tensor and memory are the ones named
+        before (a gradient is a role kept from region to region, as `mark` keeps it), so that
+        the module's and the optimizer's watch, at the region's start and at its end, name each
+        once, without asking for its storage each time."""
+        refs = self._grad_refs
+        seen = refs.get(id(grad))
+        if seen is not None and seen[0]() is grad and seen[1] == grad.data_ptr():
+            return
+        self.mark(grad, Category.GRADIENT)
+        with contextlib.suppress(TypeError, RuntimeError):  # (no weak reference, no data)
+            refs[id(grad)] = (weakref.ref(grad), grad.data_ptr())
