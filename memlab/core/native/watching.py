@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,18 +34,36 @@ class QuickWatch:
     mark: Callable[[torch.Tensor, Category], None]
     _name_module: Callable[[torch.nn.Module], None]
 
+    #: The parameters whose gradients one `watch` looked at through a module: an optimizer's
+    #: look at them again is skipped (None outside `watch`).
+    _through_modules: set[int] | None = None
+
+    def watch(self, objects: Iterable[Any]) -> None:
+        found = list(objects)  # the modules first (a notebook's `opt` may come before `model`)
+        found.sort(key=lambda obj: not issubclass(type(obj), torch.nn.Module))
+        self._through_modules = set()  # (ids of parameters the objects hold: alive meanwhile)
+        try:
+            super().watch(found)  # type: ignore[misc]
+        finally:
+            self._through_modules = None
+
     def watch_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
+        seen = self._through_modules
         for m in module_tree(module) if recurse else [module]:
             self._name_module(m)
             for p in m._parameters.values():
-                if p is not None and (grad := p.grad) is not None:
-                    self._name_grad(grad)
+                if p is not None:
+                    if seen is not None:
+                        seen.add(id(p))
+                    if (grad := p.grad) is not None:
+                        self._name_grad(grad)
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self._optimizers.add(opt)
+        seen = self._through_modules or ()
         for group in opt.param_groups:
             for p in group["params"]:
-                if (grad := p.grad) is not None:
+                if id(p) not in seen and (grad := p.grad) is not None:
                     self._name_grad(grad)
         name_optimizer(self, opt, self._named)
 
