@@ -132,94 +132,97 @@ bool slots_readable() {
 // `changed` over the entry table: the slots compared with the record's as memory (a few
 // nanoseconds a name, where the pass over PyDict_Next takes 15 to 100), then the names at the
 // slots that differ. None where the table is not the one recorded (rebuilt with names deleted).
+// Only the slots that differ are copied (the memory a cell reads is the table and the record).
 PyObject* changed_slots(PyObject* keys, PyObject* ids, const Slot* now, Py_ssize_t n) {
   const Py_ssize_t m = PyList_GET_SIZE(keys);
   if (n < m) {
     Py_RETURN_NONE;
   }
   const auto* before = reinterpret_cast<const Slot*>(PyByteArray_AS_STRING(ids));
-  std::vector<Slot> table;     // the table now, copied before any Python code may run
-  std::vector<Py_ssize_t> at;  // the slots whose value (or key: deleted) is another now
+  // the slots that differ, then every slot added (empty ones too), as they are now: copied
+  // before any Python code may run (a collection, below, may run code that edits the dict)
+  std::vector<Py_ssize_t> at;
+  std::vector<Slot> got;
   try {
-    table.assign(now, now + n);
-    at.reserve(16);
+    at.reserve(static_cast<size_t>(n - m) + 16);
+    got.reserve(static_cast<size_t>(n - m) + 16);
     constexpr Py_ssize_t kBlock = 64;
     for (Py_ssize_t b = 0; b < m; b += kBlock) {
       const Py_ssize_t e = std::min(m, b + kBlock);
-      if (std::memcmp(before + b, &table[b], static_cast<size_t>(e - b) * sizeof(Slot)) == 0) {
+      if (std::memcmp(before + b, now + b, static_cast<size_t>(e - b) * sizeof(Slot)) == 0) {
         continue;
       }
       for (Py_ssize_t i = b; i < e; ++i) {
-        const Slot& s = table[i];
+        const Slot s = now[i];
         if (s.key != before[i].key && s.key != nullptr) {
           Py_RETURN_NONE;  // another name in the slot: a table rebuilt
         }
         if (s.key != before[i].key || s.value != before[i].value) {
           at.push_back(i);
+          got.push_back(s);
         }
       }
     }
     for (Py_ssize_t i = m; i < n; ++i) {
-      if (table[i].key != nullptr) {
-        at.push_back(i);
-      }
+      at.push_back(i);
+      got.push_back(now[i]);
     }
   } catch (const std::bad_alloc&) {
     return PyErr_NoMemory();
   }
-  // the names held from here (a collection below may run code that edits the dict): the
-  // record's for a slot emptied, the table's for the others
-  std::vector<PyObject*> names(at.size());
-  for (size_t j = 0; j < at.size(); ++j) {
-    const Py_ssize_t i = at[j];
-    names[j] = table[i].key != nullptr ? table[i].key : PyList_GET_ITEM(keys, i);
-    Py_INCREF(names[j]);
+  // the names, held from here: the record's for a slot emptied, the table's for the others
+  const size_t k = at.size();
+  std::vector<PyObject*> names(k, nullptr);
+  for (size_t j = 0; j < k; ++j) {
+    names[j] = got[j].key != nullptr ? got[j].key
+               : at[j] < m          ? PyList_GET_ITEM(keys, at[j])
+                                    : nullptr;  // (an added slot left empty)
+    Py_XINCREF(names[j]);
   }
   PyObject* out = PyList_New(0);
   PyObject* gone = nullptr;  // name -> its value's address before, for the names deleted
   PyObject* same = nullptr;  // names deleted and added again with the same value: no change
   bool ok = out != nullptr;
-  for (size_t j = 0; ok && j < at.size(); ++j) {
-    if (table[at[j]].key == nullptr) {
+  for (size_t j = 0; ok && j < k; ++j) {
+    if (at[j] < m && got[j].key == nullptr) {
       PyObject* was = PyLong_FromVoidPtr(before[at[j]].value);
       ok = was != nullptr && (gone != nullptr || (gone = PyDict_New()) != nullptr) &&
            PyDict_SetItem(gone, names[j], was) == 0;
       Py_XDECREF(was);
     }
   }
-  for (size_t j = 0; ok && gone != nullptr && j < at.size(); ++j) {
-    if (at[j] >= m) {  // added: moved, where it was deleted with this value
+  for (size_t j = 0; ok && gone != nullptr && j < k; ++j) {
+    if (at[j] >= m && names[j] != nullptr) {  // added: moved, where deleted with this value
       PyObject* was = PyDict_GetItemWithError(gone, names[j]);  // (str keys: no code runs)
-      if (was != nullptr && PyLong_AsVoidPtr(was) == table[at[j]].value) {
+      if (was != nullptr && PyLong_AsVoidPtr(was) == got[j].value) {
         ok = (same != nullptr || (same = PySet_New(nullptr)) != nullptr) &&
              PySet_Add(same, names[j]) == 0;
       }
     }
   }
-  for (size_t j = 0; ok && j < at.size(); ++j) {
-    if (same == nullptr || PySet_Contains(same, names[j]) != 1) {
+  for (size_t j = 0; ok && j < k; ++j) {
+    if (names[j] != nullptr && (same == nullptr || PySet_Contains(same, names[j]) != 1)) {
       ok = PyList_Append(out, names[j]) == 0;
     }
   }
   // the record, brought up to date: a slot emptied lets its name go, the added ones are kept
-  for (size_t j = 0; ok && j < at.size(); ++j) {
-    const Py_ssize_t i = at[j];
-    if (i < m) {
-      if (table[i].key == nullptr) {
-        Py_INCREF(Py_None);
-        ok = PyList_SetItem(keys, i, Py_None) == 0;
-      }
+  for (size_t j = 0; ok && j < k; ++j) {
+    if (at[j] < m && got[j].key == nullptr) {
+      Py_INCREF(Py_None);
+      ok = PyList_SetItem(keys, at[j], Py_None) == 0;
+    } else if (at[j] >= m) {  // (held by `names` until here)
+      ok = PyList_Append(keys, got[j].key != nullptr ? got[j].key : Py_None) == 0;
     }
-  }
-  for (Py_ssize_t i = m; ok && i < n; ++i) {  // (a name added is held by `names` until here)
-    ok = PyList_Append(keys, table[i].key != nullptr ? table[i].key : Py_None) == 0;
   }
   ok = ok && PyByteArray_Resize(ids, n * static_cast<Py_ssize_t>(sizeof(Slot))) == 0;
   if (ok) {
-    std::memcpy(PyByteArray_AS_STRING(ids), table.data(), static_cast<size_t>(n) * sizeof(Slot));
+    auto* record = reinterpret_cast<Slot*>(PyByteArray_AS_STRING(ids));
+    for (size_t j = 0; j < k; ++j) {
+      record[at[j]] = got[j];
+    }
   }
   for (PyObject* name : names) {
-    Py_DECREF(name);
+    Py_XDECREF(name);
   }
   Py_XDECREF(gone);
   Py_XDECREF(same);
