@@ -72,7 +72,12 @@ int layout = -1;  // -1 not checked yet, 0 not as above, 1 as above
 
 // The entry table of `ns` (its slots, into n), or null where it is not a combined table of str
 // keys laid out as above.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030F0000 && !defined(Py_GIL_DISABLED)
+#define MEMLAB_DICT_SLOTS 1
+#endif
+
 const Slot* slots_of(PyObject* ns, Py_ssize_t* n) {
+#ifdef MEMLAB_DICT_SLOTS
   auto* d = reinterpret_cast<PyDictObject*>(ns);
   if (d->ma_values != nullptr) {
     return nullptr;
@@ -83,13 +88,18 @@ const Slot* slots_of(PyObject* ns, Py_ssize_t* n) {
   }
   *n = k->nentries;
   return reinterpret_cast<const Slot*>(k->indices + (size_t{1} << k->log2_index_bytes));
+#else
+  (void)ns;
+  (void)n;
+  return nullptr;
+#endif
 }
 
 // Whether this Python's dicts are laid out as `slots_of` reads them: a dict of known names,
 // one deleted, read both ways (PyDict_Next and the table). Checked once; where not, the scan
 // takes the pass over PyDict_Next.
 bool slots_readable() {
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030F0000 && !defined(Py_GIL_DISABLED)
+#ifdef MEMLAB_DICT_SLOTS
   if (layout >= 0) {
     return layout == 1;
   }

@@ -92,7 +92,6 @@ LONG = (
     "mn_install",
     "mn_uninstall",
     "mn_saved_op",
-    "mn_prefer_records",
 )
 #: Events (allocations, frees, reads) up to which a region's long calls keep the GIL too:
 #: about a millisecond of work in the library.
