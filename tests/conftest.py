@@ -54,13 +54,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from binder_env import start
 
         start(_shared(session.config))
+    # the type check too, where selected: in the time the workers leave a core idle
+    import types_early
+
+    typed = any(item.nodeid.endswith(types_early.TEST) for item in session.items)
+    if typed and not session.config.option.collectonly:
+        types_early.start(_shared(session.config))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # (the controller: every worker is done)
+        import types_early
         from binder_env import stop
 
         stop(_shared(session.config))
+        types_early.stop(_shared(session.config))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
