@@ -51,3 +51,40 @@ def test_the_largest_size_torch_writes_still_reads(tmp_path: Path) -> None:
     path.write_bytes(pickle.dumps({"segments": [_segment(big)]}))
     snap = memlab.load_snapshot(path)
     assert snap.report.allocated_after == big
+
+
+NOT_NUMBERS = [([[1, [2]]], "a list"), (None, "None"), ("many", "the text 'many'")]
+
+
+@pytest.mark.parametrize(("size", "shown"), [*NOT_NUMBERS, (float("nan"), "nan")])
+def test_a_size_that_is_no_number_is_refused_without_memlabs_frames(
+    tmp_path: Path, size: Any, shown: str
+) -> None:
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [_segment(size)]}))
+    with pytest.raises(memlab.snapshot.SnapshotError) as info:
+        memlab.load_snapshot(path)
+    said = str(info.value)
+    assert "is not laid out as a memory snapshot" in said and "_dump_snapshot" in said
+    assert f"a segment's total_size is {shown}, not a number of bytes" in said
+    assert memlab_frames(info.value) == []
+
+
+@pytest.mark.parametrize(("size", "shown"), [*NOT_NUMBERS, (float("inf"), "inf")])
+def test_an_events_size_that_is_no_number_is_refused_without_memlabs_frames(
+    tmp_path: Path, size: Any, shown: str
+) -> None:
+    event = {"action": "alloc", "addr": 0, "size": size, "stream": 0, "time_us": 1, "frames": []}
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [_segment(512)], "device_traces": [[event]]}))
+    with pytest.raises(memlab.snapshot.SnapshotError) as info:
+        memlab.load_snapshot(path)
+    said = str(info.value)
+    assert f"an event's size is {shown}, not a number of bytes" in said
+    assert "is not laid out as a memory snapshot" in said and memlab_frames(info.value) == []
+
+
+def test_a_size_written_as_digits_still_reads(tmp_path: Path) -> None:
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [_segment("4096")]}))
+    assert memlab.load_snapshot(path).report.allocated_after == 4096

@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from memlab.snapshot.limits import check_event_size
+from memlab.snapshot.limits import check_event_size, event_size_refused
 from memlab.snapshot.trace import (
     _BY_NAME,
     BEFORE,
@@ -95,7 +95,10 @@ class Collector:
             i = self.events
             self.events += 1
             t = (float(e.get("time_us", self.t0)) - self.t0) / 1e6 if self.timed else float(i)
-            size = int(e.get("size", 0))
+            try:
+                size = int(e.get("size", 0))
+            except (TypeError, ValueError, OverflowError):  # (a list, a word, nan, inf)
+                event_size_refused(e.get("size"))
             if size < 0:
                 check_event_size(size)
             if action == "alloc":

@@ -7,8 +7,9 @@ values no allocator writes (a negative size, a device index past what torch can 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from memlab.snapshot.unpickle import SnapshotError
 
@@ -78,6 +79,11 @@ def check_event_size(size: int) -> None:
 
 def _check_size(d: Mapping[str, Any], key: str, what: str, name: str) -> None:
     size = d.get(key, 0)
+    if not _number(size):  # (a list, None, a word: never a byte count)
+        raise SnapshotError(
+            f"{name} is not laid out as a memory snapshot ({what}'s {key} is {_shown(size)}, "
+            f"not a number of bytes): {_PASS}"
+        )
     if _whole(size) and size < 0:
         raise SnapshotError(
             f"{name}: {what}'s {key} is {size:,} bytes; sizes are never negative: {_PASS}"
@@ -92,6 +98,30 @@ def _check_size(d: Mapping[str, Any], key: str, what: str, name: str) -> None:
 
 #: More bytes than a size torch's allocator writes can be (a signed 64-bit count).
 MAX_SIZE = 2**63 - 1
+
+
+def event_size_refused(size: Any) -> NoReturn:
+    """The `SnapshotError` for an event whose size is no number (the reader, which converts each
+    event's size as it goes, calls this where the conversion fails)."""
+    raise SnapshotError(
+        f"the snapshot is not laid out as a memory snapshot (an event's size is {_shown(size)}, "
+        f"not a number of bytes): {_PASS}"
+    )
+
+
+def _shown(v: Any) -> str:
+    if v is None or isinstance(v, float):  # (nan, inf)
+        return str(v)
+    if isinstance(v, str):
+        return f"the text {v[:40]!r}"
+    return f"a {type(v).__name__}"
+
+
+def _number(v: Any) -> bool:
+    """A size the layout's reading can take as bytes: a number (not nan), or its digits."""
+    if isinstance(v, str):
+        return v.strip().lstrip("+-").isdigit()
+    return isinstance(v, numbers.Real) and v == v
 
 
 def _whole(v: Any) -> bool:
