@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import subprocess
 import sys
 import tokenize
@@ -76,7 +75,9 @@ def test_py_typed_is_shipped() -> None:
 
 
 def tool(name: str) -> str:
-    exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    from types_early import executable
+
+    exe = executable(name)
     if exe is None:
         pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
     return exe
