@@ -181,11 +181,13 @@ def said_by_memlab(e: BaseException) -> bool:
     straight from what the raising code called (``torch.device`` refusing a string), not from
     deeper in memlab. An error Python raised inside memlab's code, an ``assert``, an invariant
     memlab checks (a RuntimeError) or a conversion of an error from memlab's own code may be a
-    bug of memlab's: not this."""
+    bug of memlab's: not this. A refusal raised ``from None`` has looked at what failed and
+    found the fault in the argument (a field of a file that torch never writes so): the error
+    it replaced is neither shown nor asked about."""
     entries = _entries(e)
     if not entries or not isinstance(e, _REFUSALS):
         return False
-    before = e.__cause__ or e.__context__
+    before = e.__cause__ if e.__suppress_context__ else e.__context__
     if before is not None and any(_file(t).startswith(_MEMLAB) for t in _entries(before)[1:]):
         return False
     tb = entries[-1]

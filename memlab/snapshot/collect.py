@@ -11,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from memlab.snapshot.faults import refuse_event
 from memlab.snapshot.limits import check_event_size, event_size_refused
 from memlab.snapshot.trace import (
     _BY_NAME,
@@ -88,56 +89,62 @@ class Collector:
         a_end, a_group = self.a_end, self.a_group
         total, res, unmatched = self.total, self.res, self.unmatched
         for e in events:
-            if self.t0 is None:
-                self.timed = "time_us" in e
-                self.t0 = float(e.get("time_us", 0))
-            action = e.get("action")
-            i = self.events
-            self.events += 1
-            t = (float(e.get("time_us", self.t0)) - self.t0) / 1e6 if self.timed else float(i)
-            try:
-                size = int(e.get("size", 0))
-            except (TypeError, ValueError, OverflowError):  # (a list, a word, nan, inf)
-                event_size_refused(e.get("size"))
-            if size < 0:
-                check_event_size(size)
-            if action == "alloc":
-                line, phase = frames_of(e.get("frames"))
-                group = _BY_NAME.get(e.get("phase", ""), phase)
-                k = live[int(e.get("addr", 0))] = len(self.a_size)
-                self.a_start.append(t)
-                a_end.append(np.nan)
-                self.a_size.append(size)
-                a_group.append(group)
-                self.a_line.append(line)
-                if "shape" in e:
-                    self.a_shape[k] = str(e["shape"])
-                total += size
-                delta = size
-            elif action in ("free_completed", "free"):
-                k = live.pop(int(e.get("addr", 0)), -1)
-                if k < 0:  # made before the trace began
-                    unmatched += size
-                    group = BEFORE
+            try:  # (no cost where nothing raises)
+                if self.t0 is None:
+                    self.timed = "time_us" in e
+                    self.t0 = float(e.get("time_us", 0))
+                action = e.get("action")
+                i = self.events
+                self.events += 1
+                t = (float(e.get("time_us", self.t0)) - self.t0) / 1e6 if self.timed else float(i)
+                try:
+                    size = int(e.get("size", 0))
+                except (TypeError, ValueError, OverflowError):  # (a list, a word, nan, inf)
+                    event_size_refused(e.get("size"))
+                if size < 0:
+                    check_event_size(size)
+                if action == "alloc":
+                    line, phase = frames_of(e.get("frames"))
+                    group = _BY_NAME.get(e.get("phase", ""), phase)
+                    k = live[int(e.get("addr", 0))] = len(self.a_size)
+                    self.a_start.append(t)
+                    a_end.append(np.nan)
+                    self.a_size.append(size)
+                    a_group.append(group)
+                    self.a_line.append(line)
+                    if "shape" in e:
+                        self.a_shape[k] = str(e["shape"])
+                    total += size
+                    delta = size
+                elif action in ("free_completed", "free"):
+                    k = live.pop(int(e.get("addr", 0)), -1)
+                    if k < 0:  # made before the trace began
+                        unmatched += size
+                        group = BEFORE
+                    else:
+                        a_end[k] = t
+                        group = a_group[k]
+                    total -= size
+                    delta = -size
+                elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+                    res += size if action in ("segment_alloc", "segment_map") else -size
+                    continue
+                elif action == "oom":
+                    self.ooms.append((t, size, int(e.get("device_free", 0))))
+                    continue
                 else:
-                    a_end[k] = t
-                    group = a_group[k]
-                total -= size
-                delta = -size
-            elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
-                res += size if action in ("segment_alloc", "segment_map") else -size
-                continue
-            elif action == "oom":
-                self.ooms.append((t, size, int(e.get("device_free", 0))))
-                continue
-            else:
-                continue
-            self.times.append(t)
-            self.rel.append(total)
-            self.groups.append(group)
-            self.deltas.append(delta)
-            self.owner.append(k)
-            self.reserved.append(res)
+                    continue
+                self.times.append(t)
+                self.rel.append(total)
+                self.groups.append(group)
+                self.deltas.append(delta)
+                self.owner.append(k)
+                self.reserved.append(res)
+            except SnapshotError:
+                raise
+            except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError):
+                refuse_event(e)  # (a field of the file's at fault: said at the user's line)
+                raise  # (memlab's own error: its frames kept, to be reported)
         self.total, self.res, self.unmatched = total, res, unmatched
 
     def finish(self, segments: Iterable[Mapping[str, Any]], device: int) -> Trace:

@@ -55,6 +55,11 @@ def check_values(segments: Any, name: str) -> None:
         if not isinstance(s, Mapping):
             continue
         device = s.get("device", 0)
+        if not _number(device):
+            raise SnapshotError(
+                f"{name} is not laid out as a memory snapshot (a segment's device is "
+                f"{_shown(device)}, not a device's index): {_PASS}"
+            )
         if _whole(device) and not 0 <= device < MAX_DEVICES:
             raise SnapshotError(
                 f"{name}: a segment is on device {device!r}, which no GPU is (torch numbers "
@@ -114,7 +119,8 @@ def _shown(v: Any) -> str:
         return str(v)
     if isinstance(v, str):
         return f"the text {v[:40]!r}"
-    return f"a {type(v).__name__}"
+    kind = type(v).__name__
+    return f"{'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}"
 
 
 def _number(v: Any) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
+from memlab.snapshot.faults import segments_fault
 from memlab.snapshot.limits import check_counts, check_values
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest, origin_of
 from memlab.snapshot.stream import stream
@@ -48,14 +49,14 @@ def load_snapshot(
     def segments_read(segments: list[dict[str, Any]]) -> None:
         check_blocks(segments, name)
         if first_view is not None:
-            with _layout_checked(name):
+            with _layout_checked(name, segments):
                 view = first_look(segments, name, device)
             first_view(view)
 
     data, collectors, frames = stream(path, on_segments=segments_read, progress=progress)
     counts = [collectors[i].events for i in range(len(collectors))]
     dev = choose(device, counts)
-    with _layout_checked(name):
+    with _layout_checked(name, data.get("segments")):
         devices = {int(s.get("device", 0)) for s in data["segments"]}
         if device is None and not any(counts):  # no event: the device the segments are of
             dev = reserving_most(data["segments"]) or dev
@@ -65,7 +66,7 @@ def load_snapshot(
             f"{', '.join(map(str, sorted(devices))) or 'none'}; pass one of those, or None."
         )
     check_blocks(data["segments"], name)
-    with _layout_checked(name):
+    with _layout_checked(name, data.get("segments")):
         collector = collectors.get(dev) or Collector(frames)
         trace = collector.finish(data["segments"], dev)
         cancelled = data.get("cancelled_at")
@@ -82,14 +83,22 @@ def check_blocks(segments: Any, name: str) -> None:
 
 
 @contextlib.contextmanager
-def _layout_checked(name: str) -> Iterator[None]:
+def _layout_checked(name: str, segments: Any) -> Iterator[None]:
     """A pickle of plain data whose fields are not torch's (a number where a list of segments
-    goes, a string for a size) is a `SnapshotError` naming the file, not a bare TypeError."""
+    goes, a block without a size) is a `SnapshotError` naming the file and the field
+    (`memlab.snapshot.faults`), not a bare TypeError. Where no field is found at fault the error
+    may be memlab's own: it is said with its cause, whose frames are kept to be reported."""
     try:
         yield
     except SnapshotError:
         raise
     except (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError) as e:
+        fault = segments_fault(segments)
+        if fault is not None:  # the file's: said at the user's line
+            raise SnapshotError(
+                f"{name} is not laid out as a memory snapshot ({fault}): pass a file written "
+                "by torch.cuda.memory._dump_snapshot."
+            ) from None
         raise SnapshotError(
             f"{name} is not laid out as a memory snapshot ({type(e).__name__}: {e}): pass a "
             "file written by torch.cuda.memory._dump_snapshot."
@@ -125,9 +134,9 @@ def from_dict(data: Mapping[str, Any], name: str, device: int | None = None) -> 
             f"data={data!r:.60} is a {type(data).__name__}: pass the dict that "
             "torch.cuda.memory._snapshot() returns."
         )
-    dev, events = busiest(data, device)
     check_blocks(data.get("segments", ()), str(name))
-    with _layout_checked(str(name)):
+    dev, events = busiest(data, device)
+    with _layout_checked(str(name), data.get("segments", ())):
         collector = Collector(Frames())
         collector.add(events)
         trace = collector.finish(data.get("segments", ()), dev)

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from memlab.core.collector import hold_collector
 from memlab.snapshot.collect import READ, Collector, Frames
+from memlab.snapshot.faults import refuse_event
 from memlab.snapshot.limits import MAX_DEVICES, check_counts
 from memlab.snapshot.memo import replace_memo
 from memlab.snapshot.tap import Tap
@@ -150,27 +151,31 @@ class _Drain:
             events.clear()
             taken += len(batch)
             for e in batch:  # each list of frames read once, here; the collector finds it read
-                frames = e.get("frames")
-                if type(frames) is not list:
-                    continue
-                if not (frames and frames[0] is READ):
-                    frames[:] = [READ, frames_of(frames)]
-                if not prune:
-                    continue
-                action = e.get("action")
-                if action in _SEGMENT_ACTIONS:
-                    self.pinned[id(frames)] = frames
-                    continue
-                addr = e.get("addr")
-                if action == "free_completed":
-                    self.drop.append(frames)
-                    self.drop += by_addr.pop(addr, ())
-                    continue
-                mine = by_addr.get(addr)
-                if mine is None:
-                    by_addr[addr] = [frames]
-                elif mine[-1] is not frames:
-                    mine.append(frames)
+                try:  # (no cost where nothing raises)
+                    frames = e.get("frames")
+                    if type(frames) is not list:
+                        continue
+                    if not (frames and frames[0] is READ):
+                        frames[:] = [READ, frames_of(frames)]
+                    if not prune:
+                        continue
+                    action = e.get("action")
+                    if action in _SEGMENT_ACTIONS:
+                        self.pinned[id(frames)] = frames
+                        continue
+                    addr = e.get("addr")
+                    if action == "free_completed":
+                        self.drop.append(frames)
+                        self.drop += by_addr.pop(addr, ())
+                        continue
+                    mine = by_addr.get(addr)
+                    if mine is None:
+                        by_addr[addr] = [frames]
+                    elif mine[-1] is not frames:
+                        mine.append(frames)
+                except (TypeError, ValueError, AttributeError, KeyError, IndexError):
+                    refuse_event(e)  # (a field of the file's at fault: said at the user's line)
+                    raise  # (memlab's own error: its frames kept, to be reported)
             collector.add(batch)
             for e in batch:
                 e.clear()  # the memo holds it until forgotten: an empty dict meanwhile
