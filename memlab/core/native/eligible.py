@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from memlab.core import _torch
 from memlab.core._torch_record import can_force_eager, dispatch_modes_on, force_eager
 from memlab.core.ledger import Ledger, default_ledger
 from memlab.core.native import disable, enabled, library, settled
@@ -63,6 +64,17 @@ def eager() -> Any:
         return force_eager()
     except RuntimeError as e:
         raise NativeNotStartedError(4) from e
+
+
+def modes_left_on() -> list[str]:
+    """The note on the dispatch modes a region's code entered and left on (none was on when
+    the region opened; memlab's own, another region's, are not the code's)."""
+    if not dispatch_modes_on():
+        return []
+    names = ", ".join(
+        t.__name__ for t in map(type, _torch.dispatch_mode_stack()) if t.__module__[:7] != "memlab."
+    )
+    return [f"dispatch mode(s) the code entered and left on: {names}"] if names else []
 
 
 class NativeNotStartedError(RuntimeError):

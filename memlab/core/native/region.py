@@ -29,14 +29,15 @@ from typing import Any
 
 import torch
 
-from memlab.core import _torch, older_graphs, resizes
-from memlab.core._torch_record import dispatch_modes_on, restore_stance, storage_address, unseen
+from memlab.core import older_graphs, resizes
+from memlab.core._torch_record import restore_stance, storage_address, unseen
+from memlab.core.interrupts import held_interrupts
 from memlab.core.ledger import Ledger
 from memlab.core.native import breakdown, handover, joiner, library
-from memlab.core.native.eligible import NativeNotStartedError, eager
+from memlab.core.native.eligible import NativeNotStartedError, eager, modes_left_on
 from memlab.core.native.frees import ON_CPU, Frees
 from memlab.core.native.roles import NativeRoles, roles_for
-from memlab.core.native.signatures import sized
+from memlab.core.native.signatures import SMALL, sized
 from memlab.core.recorder import Tally
 from memlab.core.resizes import following_resizes
 from memlab.core.storages import address_of, follow_addresses
@@ -44,6 +45,8 @@ from memlab.core.storages import address_of, follow_addresses
 _CPU = "cpu"
 #: Events the record keeps per region (about 40 bytes each); beyond them the region is lost.
 MAX_EVENTS = 10_000_000
+#: Events past which a region's settling holds Ctrl-C off until it is done (`held_interrupts`).
+HOLD_AFTER = SMALL
 # Buffers the library writes into (one region at a time, under its lock).
 _COUNTS = (ctypes.c_int64 * 7)()
 _OUT = (ctypes.c_int64 * 5)()
@@ -171,19 +174,23 @@ class NativeRegion:
             return
         if self._open:
             self._close_record()
-            self.notes += joiner.others_note(self._lib)
-            if dispatch_modes_on():  # none was on when the region opened: memlab's own modes
-                left_on = [type(m) for m in _torch.dispatch_mode_stack()]  # (another region's)
-                names = ", ".join(t.__name__ for t in left_on if t.__module__[:7] != "memlab.")
-                if names:  # are not the code's
-                    self.notes.append(f"dispatch mode(s) the code entered and left on: {names}")
-        try:
-            self._tally = self._settle(self._lib, frees)
+            self.notes += joiner.others_note(self._lib) + modes_left_on()
+        counts = _COUNTS
+        self._lib.mn_counts(counts, len(counts))
+        big = counts[0] + counts[2] + counts[3] > HOLD_AFTER  # (allocations, frees, reads)
+        try:  # a big region's settling is not cut by a Ctrl-C: it comes after (once, not again)
+            with held_interrupts() if big else contextlib.nullcontext():
+                self._tally = self._settle(self._lib, frees, counts)
         except KeyboardInterrupt:
-            raise  # record and listener stay: `track` closes again and the settling is redone
+            if self._tally is not None:  # (held off until the region was settled)
+                self._finish(frees)
+            raise  # else record and listener stay: `track` closes again, the settling redone
         except BaseException:
             self._done(frees)
             raise
+        self._finish(frees)
+
+    def _finish(self, frees: Frees) -> None:
         self._done(frees)
         self.watched = tuple  # (the front end's method: no cycle keeps the two alive)
         self.lost += self.ledger.missed_since(self._failures, self.notes)
@@ -232,10 +239,8 @@ class NativeRegion:
         return tally
 
     # -- the one pass at the end --------------------------------------------------------------
-    def _settle(self, lib: Any, frees: Frees) -> Tally:
+    def _settle(self, lib: Any, frees: Frees, counts: Any) -> Tally:
         ledger = self.ledger
-        counts = _COUNTS
-        lib.mn_counts(counts, len(counts))
         n_allocs, _, n_frees, n_reads, overflow, n_alive, transformed = counts
         lib = sized(lib, n_allocs + n_frees + n_reads)  # (a small region's calls keep the GIL)
         if overflow:
