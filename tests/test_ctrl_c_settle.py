@@ -121,3 +121,30 @@ def test_off_the_main_thread_the_block_runs_as_it_is(python_handler: None) -> No
     thread.start()
     thread.join()
     assert seen == [signal.default_int_handler]
+
+
+def test_an_error_in_the_block_goes_on_and_the_held_ctrl_c_with_it(python_handler: None) -> None:
+    with pytest.raises(RuntimeError, match="the block's own"), held_interrupts():
+        ctrl_c()
+        raise RuntimeError("the block's own")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_settling_that_fails_after_a_ctrl_c_releases_the_record(
+    monkeypatch: pytest.MonkeyPatch, python_handler: None
+) -> None:
+    with memlab.track("cpu"):
+        pass
+    monkeypatch.setattr(native_region, "HOLD_AFTER", 0)
+
+    def failing(self: Any, *args: Any) -> Any:
+        ctrl_c()
+        raise RuntimeError("a settling that fails")
+
+    monkeypatch.setattr(native_region.NativeRegion, "_settle", failing)
+    with pytest.raises(RuntimeError, match="a settling that fails"), memlab.track("cpu"):
+        torch.ones(10)
+    monkeypatch.undo()
+    with memlab.track("cpu") as again:  # released: the next region is native
+        torch.ones(10)
+    assert again._native is not None and again.report.peak_delta == 40

@@ -354,7 +354,7 @@ def test_the_loader_keeps_no_event_after_a_drain(tmp_path: Path) -> None:
     dict, and of the lists of frames read (``[READ, Known]``) only those of allocations not yet
     freed; between, the events taken are emptied dicts."""
     from memlab.snapshot import stream
-    from memlab.snapshot.collect import READ
+    from memlab.snapshot.faults import READ
 
     data, truth = training_snapshot(steps=300)
     p = dumped(tmp_path, data)

@@ -114,3 +114,69 @@ def test_sound_fields_written_as_torch_may_write_them_still_read(tmp_path: Path)
     snap = memlab.load_snapshot(path)
     assert snap.events == 1 and snap.allocated == 1024
     assert memlab.snapshot.from_dict(snapshot, "mine").allocated == 1024
+
+
+MORE = {
+    "an action as a list": (_traced(_event(action=["alloc"])), "an event's action is a list"),
+    "a size as '--5'": ({"segments": [_segment(_block(size="--5"))]}, "size is the text '--5'"),
+    "a requested size as '²'": (
+        {"segments": [_segment(_block(requested_size="²"))]},
+        "requested_size is the text '²'",
+    ),
+    "a total size as '--5'": ({"segments": [_segment(total_size="--5")]}, "total_size is the"),
+    "segments an int": ({"segments": 5, "device_traces": []}, "its segments are an int"),
+}
+
+
+@pytest.mark.parametrize("snapshot, said", MORE.values(), ids=list(MORE))
+@pytest.mark.parametrize("read", ["file", "dict"])
+def test_more_fields_torch_never_writes_so_are_refused_without_memlabs_frames(
+    tmp_path: Path, snapshot: dict[str, Any], said: str, read: str
+) -> None:
+    test_a_field_torch_never_writes_so_is_refused_without_memlabs_frames(
+        tmp_path, snapshot, said, read
+    )
+
+
+def test_blocks_given_as_a_generator_are_refused_not_used_up_unseen() -> None:
+    segment = _segment()
+    segment["blocks"] = (b for b in [_block()])
+    with pytest.raises(SnapshotError, match=r"segment 0's blocks are a generator") as info:
+        memlab.snapshot.from_dict({"segments": [segment]}, "mine")
+    assert memlab_frames(info.value) == []
+
+
+def test_a_value_nested_deeper_than_python_reads_is_refused() -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    for snapshot in (
+        {"segments": [_segment(_block(state=deep))]},
+        _traced(_event(shape=deep)),
+    ):
+        with pytest.raises(SnapshotError, match="nested deeper than Python reads") as info:
+            memlab.snapshot.from_dict(snapshot, "mine")
+        assert memlab_frames(info.value) == []
+
+
+def test_a_bug_of_memlabs_while_a_file_is_read_keeps_its_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream reads each list of frames in place before the collector takes the events: a
+    list read so is sound, and an error of memlab's own afterwards is not put on the file."""
+    from memlab.snapshot import collect
+
+    class Broken(dict):  # type: ignore[type-arg]
+        def get(self, *args: Any) -> Any:
+            raise KeyError("memlab's own")
+
+    monkeypatch.setattr(collect, "_BY_NAME", Broken())
+    path = tmp_path / "snap.pickle"
+    shared = [FRAME]  # (a block and an event share their frames, as torch writes them)
+    snapshot = _traced(_event(frames=shared))
+    snapshot["segments"] = [_segment(_block(frames=shared))]
+    path.write_bytes(pickle.dumps(snapshot))
+    with pytest.raises(SnapshotError) as info:
+        memlab.load_snapshot(path)
+    assert "frames" not in str(info.value) and "KeyError" in str(info.value), str(info.value)
+    assert memlab_frames(info.value)  # to be reported

@@ -41,11 +41,17 @@ def held_interrupts() -> Iterator[None]:
         return
     try:
         yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is note:
-            signal.signal(signal.SIGINT, before)
-        if came:  # delivered now, as it would have been (default_int_handler raises)
-            before(signal.SIGINT, came[-1])
+    except BaseException:  # (the block's error goes on: a Ctrl-C held meanwhile with it)
+        _put_back(note, before)
+        raise
+    _put_back(note, before)
+    if came:  # delivered now, as it would have been (default_int_handler raises)
+        before(signal.SIGINT, came[-1])
+
+
+def _put_back(ours: _Handler, before: _Handler) -> None:
+    if signal.getsignal(signal.SIGINT) is ours:  # (a handler the block installed stays)
+        signal.signal(signal.SIGINT, before)
 
 
 def _handler() -> _Handler | None:

@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from memlab.snapshot.faults import refuse_event
+from memlab.snapshot.faults import READ, refuse_event
 from memlab.snapshot.limits import check_event_size, event_size_refused
 from memlab.snapshot.trace import (
     _BY_NAME,
@@ -27,10 +27,6 @@ from memlab.snapshot.unpickle import SnapshotError
 
 class Known(tuple[int, int]):
     """A stack already read: (index of its source line, its group)."""
-
-
-#: The first item of a list of frames already read: ``[READ, Known]`` (`memlab.snapshot.stream`).
-READ = object()
 
 
 class Frames:
@@ -132,7 +128,9 @@ class Collector:
                 elif action == "oom":
                     self.ooms.append((t, size, int(e.get("device_free", 0))))
                     continue
-                else:
+                else:  # (another action of torch's: passed over; one that is no name: refused)
+                    if action is not None and type(action) is not str:
+                        refuse_event(e)
                     continue
                 self.times.append(t)
                 self.rel.append(total)
@@ -142,7 +140,10 @@ class Collector:
                 self.reserved.append(res)
             except SnapshotError:
                 raise
-            except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError):
+            except (
+                TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError,
+                RecursionError,
+            ):  # fmt: skip
                 refuse_event(e)  # (a field of the file's at fault: said at the user's line)
                 raise  # (memlab's own error: its frames kept, to be reported)
         self.total, self.res, self.unmatched = total, res, unmatched

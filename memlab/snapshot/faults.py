@@ -11,11 +11,16 @@ reported."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from memlab.snapshot.limits import _shown
 from memlab.snapshot.unpickle import SnapshotError
+
+#: The first item of a list of frames already read: ``[READ, Known]`` (`memlab.snapshot.stream`
+#: reads each list once, in place, before the collector takes its events).
+READ = object()
 
 
 def segments_fault(segments: Any) -> str | None:
@@ -49,8 +54,8 @@ def segments_fault(segments: Any) -> str | None:
 def frames_fault(frames: Any) -> str | None:
     """What is wrong with ``frames`` (a block's or an event's list of frames: dicts with a
     filename, a line and a name), said after "its frames", or None."""
-    if frames is None:
-        return None
+    if frames is None or (isinstance(frames, list) and frames and frames[0] is READ):
+        return None  # (none, or read already: sound when it was read)
     if not isinstance(frames, (list, tuple)):
         return f"are {_shown(frames)}, not a list of frames"
     for k, f in enumerate(frames):
@@ -70,6 +75,9 @@ def event_fault(event: Any) -> str | None:
     for key in ("addr", "device_free"):
         if key in event and not _integer(event[key]):
             return f"an event's {key} is {_shown(event[key])}, not a whole number"
+    action = event.get("action")
+    if action is not None and not isinstance(action, str):
+        return f"an event's action is {_shown(action)}, not a name"
     phase = event.get("phase", "")
     if not isinstance(phase, str):
         return f"an event's phase is {_shown(phase)}, not a name"
@@ -84,6 +92,8 @@ def refuse_event(event: Any) -> None:
     as torch writes it (called where reading it raised); returns where none is (the error was
     memlab's own: the caller raises it again, its frames kept)."""
     fault = event_fault(event)
+    if fault is None and isinstance(sys.exc_info()[1], RecursionError):
+        fault = "an event holds a value nested deeper than Python reads"
     if fault is not None:
         raise SnapshotError(
             f"the snapshot is not laid out as a memory snapshot ({fault}): pass a file written "

@@ -28,7 +28,10 @@ def check_counts(segments: Any, name: str) -> None:
     """A `SnapshotError` where ``segments`` are more than `MAX_SEGMENTS` or list more than
     `MAX_BLOCKS` blocks (counted without reading them)."""
     if not isinstance(segments, (list, tuple)):
-        return  # (the layout's own check says what is wrong)
+        raise SnapshotError(
+            f"{name} is not laid out as a memory snapshot (its segments are {_shown(segments)}, "
+            f"not a list of segments): {_PASS}"
+        )
     if len(segments) > MAX_SEGMENTS:
         raise SnapshotError(
             f"{name} lists {len(segments):,} segments, more than memlab reads ({MAX_SEGMENTS:,}; "
@@ -51,7 +54,7 @@ def check_values(segments: Any, name: str) -> None:
     impossible size (negative); values of the wrong type are left to the layout's own check."""
     if not isinstance(segments, (list, tuple)):
         return
-    for s in segments:
+    for i, s in enumerate(segments):
         if not isinstance(s, Mapping):
             continue
         device = s.get("device", 0)
@@ -66,8 +69,13 @@ def check_values(segments: Any, name: str) -> None:
                 f"devices 0 to {MAX_DEVICES - 1}): {_PASS}"
             )
         _check_size(s, "total_size", "a segment", name)
-        blocks = s.get("blocks")
-        for b in blocks if isinstance(blocks, (list, tuple)) else ():
+        blocks = s.get("blocks", ())
+        if not isinstance(blocks, (list, tuple)):  # (a generator would be used up unseen)
+            raise SnapshotError(
+                f"{name} is not laid out as a memory snapshot (segment {i}'s blocks are "
+                f"{_shown(blocks)}, not a list of blocks): {_PASS}"
+            )
+        for b in blocks:
             if isinstance(b, Mapping):
                 _check_size(b, "size", "a block", name)
                 _check_size(b, "requested_size", "a block", name)
@@ -125,8 +133,12 @@ def _shown(v: Any) -> str:
 
 def _number(v: Any) -> bool:
     """A size the layout's reading can take as bytes: a number (not nan), or its digits."""
-    if isinstance(v, str):
-        return v.strip().lstrip("+-").isdigit()
+    if isinstance(v, str):  # (as the readers take it: "12" is, "--5" and "²" are not)
+        try:
+            int(v)
+        except ValueError:
+            return False
+        return True
     return isinstance(v, numbers.Real) and v == v
 
 

@@ -92,8 +92,12 @@ def _layout_checked(name: str, segments: Any) -> Iterator[None]:
         yield
     except SnapshotError:
         raise
-    except (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError) as e:
+    except (
+        TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError, RecursionError,
+    ) as e:  # fmt: skip
         fault = segments_fault(segments)
+        if fault is None and isinstance(e, RecursionError):
+            fault = "a value nested deeper than Python reads"
         if fault is not None:  # the file's: said at the user's line
             raise SnapshotError(
                 f"{name} is not laid out as a memory snapshot ({fault}): pass a file written "

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from memlab.snapshot.unpickle import SnapshotError
+
 #: The groups a timeline is stacked by, bottom first.
 GROUPS = ("before the trace", "forward", "backward", "optimizer", "other")
 BEFORE, FORWARD, BACKWARD, OPTIMIZER, OTHER = range(len(GROUPS))
@@ -126,7 +128,7 @@ def busiest(data: Mapping[str, Any], device: int | None) -> tuple[int, list[Any]
     whose segments reserve the most) and its trace's events."""
     traces = data.get("device_traces") or []
     if not isinstance(traces, (list, tuple)) or not all(isinstance(t, list) for t in traces):
-        raise ValueError(
+        raise SnapshotError(
             f"device_traces is {type(traces).__name__} {traces!r:.40}: a snapshot's is a list "
             "of each device's list of events (torch.cuda.memory._snapshot() writes it)."
         )

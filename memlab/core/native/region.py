@@ -181,13 +181,12 @@ class NativeRegion:
         try:  # a big region's settling is not cut by a Ctrl-C: it comes after (once, not again)
             with held_interrupts() if big else contextlib.nullcontext():
                 self._tally = self._settle(self._lib, frees, counts)
-        except KeyboardInterrupt:
-            if self._tally is not None:  # (held off until the region was settled)
+        except BaseException as e:
+            if self._tally is not None:  # settled: what came after it (a Ctrl-C held off) goes on
                 self._finish(frees)
-            raise  # else record and listener stay: `track` closes again, the settling redone
-        except BaseException:
-            self._done(frees)
-            raise
+            elif not isinstance(e, KeyboardInterrupt):
+                self._done(frees)
+            raise  # (a Ctrl-C that cut it: record and listener stay; `track` closes again)
         self._finish(frees)
 
     def _finish(self, frees: Frees) -> None:
