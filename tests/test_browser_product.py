@@ -76,13 +76,13 @@ from torch import nn
 import memlab
 
 def model_fn():
-    time.sleep(0.3)
+    time.sleep(0.6)  # (each try long enough to see, its steps short: Cancel acts within a try)
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
 
 slow = memlab.Explorer(model_fn, lambda n: torch.randn(n, 256),
                        config={"device": "cpu", "batch_size": 8})
-slow.budget.value = 256  # MiB
+slow.budget.value = 64  # MiB
 slow""",
     "1 + 1",
 )

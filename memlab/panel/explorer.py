@@ -176,9 +176,8 @@ class Explorer(BudgetLimit):
     def largest_batch(self) -> int | None:
         """The largest batch size whose step fits the budget (or the simulated GPU's memory, or
         this GPU's free memory). Two small batches draw the line of peak against batch; the batch
-        where it meets the budget is tried, then the next one, so a few steps near the edge
-        confirm it (``search.predicted_batch``); out-of-memory runs are expected along the way.
-        Cancel (when started by the button) keeps the largest batch found so far."""
+        where it meets the budget is tried, then the next one (``search.predicted_batch``; runs
+        out of memory are expected). Cancel keeps the largest batch found to fit so far."""
         config = self._attempt(lambda: self.config)
         if config is None:
             return None
@@ -195,7 +194,7 @@ class Explorer(BudgetLimit):
                 return None
             config = config.with_(budget=found[0])
         step, limit_bytes = config.accumulation, config.budget
-        assert limit_bytes is not None  # set above, or the search returned
+        assert limit_bytes is not None  # (set above, or the search returned)
         budget = fmt_bytes(config.budget)
 
         def trying(batch: int, fits_so_far: int, too_big: int | None) -> None:
@@ -213,9 +212,11 @@ class Explorer(BudgetLimit):
                 tries.measure, limit_bytes, step, on_try=trying, stop=stop, first=tries.first()
             )
         )
+        cancelled = " (cancelled: the largest found so far)" if self._work.cancelled else ""
         if best is None:
             return None
-        cancelled = " (cancelled: the largest found so far)" if self._work.cancelled else ""
+        if cancelled:  # (the tries made before the search's first step count too)
+            best = max([best, *(b for b in tries.done if tries.measure(b)[0])])
         why = f" ({tries.skipped}: the search started at {tries.floor:,})" if tries.skipped else ""
         if best == 0:
             self._say(f"not even a batch of {tries.floor} fits in {budget}{why}{cancelled}", True)

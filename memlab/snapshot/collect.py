@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from memlab.snapshot.faults import READ, refuse_event
+from memlab.snapshot.faults import LAYOUT_ERRORS, READ, refuse_event
 from memlab.snapshot.limits import check_event_size, event_size_refused
 from memlab.snapshot.trace import (
     _BY_NAME,
@@ -140,10 +140,7 @@ class Collector:
                 self.reserved.append(res)
             except SnapshotError:
                 raise
-            except (
-                TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError,
-                RecursionError,
-            ):  # fmt: skip
+            except LAYOUT_ERRORS:
                 refuse_event(e)  # (a field of the file's at fault: said at the user's line)
                 raise  # (memlab's own error: its frames kept, to be reported)
         self.total, self.res, self.unmatched = total, res, unmatched

@@ -18,6 +18,12 @@ from typing import Any
 from memlab.snapshot.limits import _shown
 from memlab.snapshot.unpickle import SnapshotError
 
+#: What reading a field that is not as torch writes it raises (`int("x")`, ``None["size"]``, a
+#: list where a name goes, a value nested past Python's recursion limit).
+LAYOUT_ERRORS = (
+    TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError,
+)  # fmt: skip
+
 #: The first item of a list of frames already read: ``[READ, Known]`` (`memlab.snapshot.stream`
 #: reads each list once, in place, before the collector takes its events).
 READ = object()

@@ -12,7 +12,7 @@ from typing import Any
 from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
-from memlab.snapshot.faults import segments_fault
+from memlab.snapshot.faults import LAYOUT_ERRORS, segments_fault
 from memlab.snapshot.limits import check_counts, check_values
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest, origin_of
 from memlab.snapshot.stream import stream
@@ -92,9 +92,7 @@ def _layout_checked(name: str, segments: Any) -> Iterator[None]:
         yield
     except SnapshotError:
         raise
-    except (
-        TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError, RecursionError,
-    ) as e:  # fmt: skip
+    except LAYOUT_ERRORS as e:
         fault = segments_fault(segments)
         if fault is None and isinstance(e, RecursionError):
             fault = "a value nested deeper than Python reads"

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from memlab.core.collector import hold_collector
 from memlab.snapshot.collect import Collector, Frames
-from memlab.snapshot.faults import READ, refuse_event
+from memlab.snapshot.faults import LAYOUT_ERRORS, READ, refuse_event
 from memlab.snapshot.limits import MAX_DEVICES, check_counts
 from memlab.snapshot.memo import replace_memo
 from memlab.snapshot.tap import Tap
@@ -173,14 +173,7 @@ class _Drain:
                         by_addr[addr] = [frames]
                     elif mine[-1] is not frames:
                         mine.append(frames)
-                except (
-                    TypeError,
-                    ValueError,
-                    AttributeError,
-                    KeyError,
-                    IndexError,
-                    RecursionError,
-                ):
+                except LAYOUT_ERRORS:
                     refuse_event(e)  # (a field of the file's at fault: said at the user's line)
                     raise  # (memlab's own error: its frames kept, to be reported)
             collector.add(batch)
