@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from memlab.snapshot.limits import _shown
+from memlab.snapshot.limits import _PASS, _shown
 from memlab.snapshot.unpickle import SnapshotError
 
 #: What reading a field that is not as torch writes it raises (`int("x")`, ``None["size"]``, a
@@ -102,8 +102,7 @@ def refuse_event(event: Any) -> None:
         fault = "an event holds a value nested deeper than Python reads"
     if fault is not None:
         raise SnapshotError(
-            f"the snapshot is not laid out as a memory snapshot ({fault}): pass a file written "
-            "by torch.cuda.memory._dump_snapshot."
+            f"the snapshot is not laid out as a memory snapshot ({fault}): {_PASS}"
         ) from None
 
 

@@ -13,7 +13,7 @@ from memlab.core.frames import users_traceback
 from memlab.reports.units import fmt_bytes
 from memlab.snapshot.collect import Collector, Frames
 from memlab.snapshot.faults import LAYOUT_ERRORS, segments_fault
-from memlab.snapshot.limits import check_counts, check_values
+from memlab.snapshot.limits import _PASS, check_counts, check_values
 from memlab.snapshot.result import TOP, Allocation, Snapshot, largest, origin_of
 from memlab.snapshot.stream import stream
 from memlab.snapshot.trace import Trace, busiest, choose, reserving_most, source_line
@@ -98,8 +98,7 @@ def _layout_checked(name: str, segments: Any) -> Iterator[None]:
             fault = "a value nested deeper than Python reads"
         if fault is not None:  # the file's: said at the user's line
             raise SnapshotError(
-                f"{name} is not laid out as a memory snapshot ({fault}): pass a file written "
-                "by torch.cuda.memory._dump_snapshot."
+                f"{name} is not laid out as a memory snapshot ({fault}): {_PASS}"
             ) from None
         raise SnapshotError(
             f"{name} is not laid out as a memory snapshot ({type(e).__name__}: {e}): pass a "
